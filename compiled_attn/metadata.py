@@ -1,0 +1,163 @@
+"""Batch metadata: from a list of sequence chunks to the device tensors of one forward.
+
+A *chunk* is the part of a sequence that runs in this step: its new tokens
+(``query_len`` of them) on top of ``context_len`` tokens already in the paged cache. One
+batch may mix prefills (``context_len == 0``), chunked prefills and prefix-cache hits
+(``context_len > 0``, several tokens), decodes (one token) and multi-token decodes.
+Field names follow vLLM / flash-attn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .ops import PAD_SLOT_ID
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """The tokens of one sequence that run in this step.
+
+    Attributes:
+        token_ids: the ``query_len`` new token ids.
+        context_len: tokens of this sequence already in the cache (positions
+            ``0 .. context_len - 1``); the new tokens take positions
+            ``context_len .. context_len + query_len - 1``.
+        block_table: block ids holding positions ``0 ..`` of this sequence, enough for
+            ``context_len + query_len`` tokens.
+    """
+
+    token_ids: Sequence[int]
+    context_len: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors of one forward pass (a pytree: it can enter a compiled function).
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids, sequences packed back to back.
+        positions: ``[T]`` int64 position of each token in its sequence.
+        slot_mapping: ``[T]`` int64 cache slot of each token, ``PAD_SLOT_ID`` (-1) = skip.
+        cu_seqlens_q: ``[B + 1]`` int32 cumulative query counts.
+        seq_lens: ``[B]`` int32 keys per sequence after this step (context + new).
+        block_table: ``[B, max_blocks_per_seq]`` int32, rows padded with block 0.
+        prefill_only: every sequence starts from an empty cache, so attention may run over
+            the fresh contiguous k/v (a static flag: one compiled graph per value).
+        query_lens: host copy of the per-sequence query counts (not part of the pytree;
+            ``None`` inside compiled code).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    prefill_only: bool = False
+    query_lens: tuple[int, ...] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """``[B]`` int64 index of each sequence's last token (where logits are taken)."""
+        return self.cu_seqlens_q[1:].long() - 1
+
+
+TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_table")
+
+
+def _flatten(md: AttentionMetadata):
+    return [getattr(md, name) for name in TENSOR_FIELDS], md.prefill_only
+
+
+def _flatten_with_keys(md: AttentionMetadata):
+    return [(pytree.GetAttrKey(name), getattr(md, name)) for name in TENSOR_FIELDS], md.prefill_only
+
+
+def _unflatten(values, prefill_only) -> AttentionMetadata:
+    return AttentionMetadata(*values, prefill_only=prefill_only)
+
+
+pytree.register_pytree_node(
+    AttentionMetadata, _flatten, _unflatten,
+    serialized_type_name="compiled_attn.metadata.AttentionMetadata",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+
+def build_metadata(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    max_blocks_per_seq: int,
+    device: torch.device | str = "cpu",
+    num_blocks: int | None = None,
+) -> AttentionMetadata:
+    """Pack ``chunks`` into an :class:`AttentionMetadata` on ``device``.
+
+    Args:
+        chunks: the sequences of this step, in batch order.
+        block_size: tokens per cache block.
+        max_blocks_per_seq: width of ``block_table`` (fixed, so compiled graphs and
+            captured CUDA graphs see one shape); rows are padded with block 0.
+        device: where the tensors go.
+        num_blocks: when given, block ids are checked against ``[0, num_blocks)``.
+
+    Raises:
+        ValueError: an empty batch or chunk, a block table too short for the chunk's
+            tokens or wider than ``max_blocks_per_seq``, a block id out of range.
+    """
+    if not chunks:
+        raise ValueError("chunks must hold at least one sequence, got an empty batch")
+    input_ids, positions, slots, cu_seqlens, seq_lens, tables = [], [], [], [0], [], []
+    for i, chunk in enumerate(chunks):
+        query_len = len(chunk.token_ids)
+        seq_len = chunk.context_len + query_len
+        table = list(chunk.block_table)
+        if query_len == 0 or chunk.context_len < 0:
+            raise ValueError(
+                f"chunks[{i}] must have >= 1 new token and context_len >= 0, got "
+                f"{query_len} tokens, context_len={chunk.context_len}"
+            )
+        if len(table) * block_size < seq_len or len(table) > max_blocks_per_seq:
+            raise ValueError(
+                f"chunks[{i}].block_table has {len(table)} blocks of {block_size}; it must cover "
+                f"seq_len={seq_len} tokens and hold at most max_blocks_per_seq={max_blocks_per_seq}"
+            )
+        if num_blocks is not None and any(not 0 <= b < num_blocks for b in table):
+            raise ValueError(f"chunks[{i}].block_table {table} has ids outside [0, {num_blocks})")
+        pos = range(chunk.context_len, seq_len)
+        input_ids.extend(chunk.token_ids)
+        positions.extend(pos)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        cu_seqlens.append(cu_seqlens[-1] + query_len)
+        seq_lens.append(seq_len)
+        tables.append(table + [0] * (max_blocks_per_seq - len(table)))
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slots, torch.int64),
+        cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        block_table=tensor(tables, torch.int32),
+        prefill_only=all(c.context_len == 0 for c in chunks),
+        query_lens=tuple(len(c.token_ids) for c in chunks),
+    )
+
+
+__all__ = ["AttentionMetadata", "PAD_SLOT_ID", "SequenceChunk", "build_metadata"]

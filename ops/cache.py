@@ -1,0 +1,122 @@
+"""KV-cache ops: ``reshape_and_cache``, ``copy_blocks`` and ``swap_blocks``.
+
+Custom ops of the ``compiled_attn`` namespace that write the paged cache in place (their
+schemas declare the written tensors in ``mutates_args``), with the reference of
+:mod:`compiled_attn.ops.reference` on every device; faster kernels register on top.
+Semantics follow vLLM's ``reshape_and_cache_flash``, ``copy_blocks`` and ``swap_blocks``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .validation import (
+    check_block_mapping,
+    check_cache_write_args,
+    check_slot_values,
+    should_check_values,
+)
+
+PAD_SLOT_ID = -1
+"""Slot of a token that must not be written (padding rows of a captured batch)."""
+
+
+@torch.library.custom_op("compiled_attn::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def reshape_and_cache_op(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                         slot_mapping: Tensor) -> None:
+    reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+@reshape_and_cache_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping):
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
+
+
+@torch.library.custom_op("compiled_attn::copy_blocks", mutates_args=("key_caches", "value_caches"))
+def copy_blocks_op(key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor) -> None:
+    reference.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+@copy_blocks_op.register_fake
+def _(key_caches, value_caches, block_mapping):
+    return None
+
+
+@torch.library.custom_op("compiled_attn::swap_blocks", mutates_args=("dst",))
+def swap_blocks_op(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+    reference.swap_blocks(src, dst, block_mapping)
+
+
+@swap_blocks_op.register_fake
+def _(src, dst, block_mapping):
+    return None
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                      slot_mapping: Tensor) -> None:
+    """Write new keys and values into the paged cache (in place).
+
+    Token ``t`` goes to block ``slot_mapping[t] // block_size``, offset
+    ``slot_mapping[t] % block_size``; a slot of ``PAD_SLOT_ID`` (-1) is skipped.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        slot_mapping: ``[num_tokens]`` int64.
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: shapes that disagree and, when eager, slots
+        outside ``[-1, num_blocks * block_size)``.
+    """
+    if not torch.compiler.is_compiling():
+        check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
+        if should_check_values(slot_mapping):
+            check_slot_values(key_cache, slot_mapping)
+    reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor) -> None:
+    """Copy whole blocks inside every layer's cache: ``cache[dst] = cache[src]``.
+
+    Copy-on-write when a sequence forks (parallel sampling, beam search).
+
+    Args:
+        key_caches, value_caches: per layer, ``[num_blocks, block_size, Hkv, D]``.
+        block_mapping: ``[num_pairs, 2]`` int64 rows ``(src, dst)``; destinations distinct.
+
+    Raises:
+        TypeError, ValueError: bad ``block_mapping`` dtype, shape or ids, or caches of
+        different block counts.
+    """
+    if len(key_caches) != len(value_caches) or not key_caches:
+        raise ValueError(
+            f"key_caches and value_caches must be non-empty lists of equal length, got "
+            f"{len(key_caches)} and {len(value_caches)}"
+        )
+    num_blocks = {c.shape[0] for c in (*key_caches, *value_caches)}
+    if len(num_blocks) != 1:
+        raise ValueError(f"all caches must have the same number of blocks, got {sorted(num_blocks)}")
+    (n,) = num_blocks
+    check_block_mapping(block_mapping, n, n)
+    copy_blocks_op(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+    """Copy blocks between two caches, typically GPU <-> CPU: ``dst[d] = src[s]``.
+
+    Args:
+        src, dst: ``[num_blocks_*, block_size, Hkv, D]`` of one dtype, any devices.
+        block_mapping: ``[num_pairs, 2]`` int64 rows ``(s, d)``, on the CPU or ``src``'s
+            device.
+
+    Raises:
+        TypeError, ValueError: dtype or per-block shape mismatch, bad ``block_mapping``.
+    """
+    if src.dtype != dst.dtype:
+        raise TypeError(f"src and dst must share a dtype, got {src.dtype} and {dst.dtype}")
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"src and dst blocks differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
+    check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    swap_blocks_op(src, dst, block_mapping)

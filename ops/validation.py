@@ -1,0 +1,250 @@
+"""Argument checks for the ``compiled_attn`` ops.
+
+Two kinds, so that nothing reads device memory on the hot path:
+
+* ``check_*_args`` look only at shapes, dtypes and Python scalars. They run in the fake
+  implementations (so ``torch.compile`` reports bad input at trace time) and in the
+  public wrappers when called eagerly.
+* ``check_*_values`` read metadata values (block ids, slots, lengths). They synchronize
+  the device, so the public wrappers run them only eagerly and never while a CUDA graph
+  is being captured or a graph is being compiled.
+
+Every failure is a ``TypeError`` (wrong dtype or type) or ``ValueError`` (wrong shape or
+value) naming the argument, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_SIZE = 256
+
+
+def should_check_values(*tensors: torch.Tensor) -> bool:
+    """True when value checks are affordable: eager, not tracing, not capturing."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {tensor.dtype}")
+
+
+def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
+
+
+def check_head_size(name: str, head_size: int) -> None:
+    if head_size % 8 != 0 or not 8 <= head_size <= MAX_HEAD_SIZE:
+        raise ValueError(
+            f"{name}: head size {head_size} is not supported; allowed: multiples of 8 "
+            f"from 8 to {MAX_HEAD_SIZE} (as flash-attn)"
+        )
+
+
+def check_heads(num_heads: int, num_kv_heads: int, differential: bool) -> None:
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if differential and (num_heads % 2 or num_kv_heads % 2):
+        raise ValueError(
+            "differential attention needs an even number of query and KV heads "
+            f"(interleaved pairs), got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: t for k, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {t.device}" for k, t in present.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+
+
+def check_options(window_left: int, window_right: int, softcap: float) -> None:
+    if window_left < -1 or window_right < -1:
+        raise ValueError(
+            f"window_size must be (left, right) with each >= 0 or -1 (unbounded), "
+            f"got ({window_left}, {window_right})"
+        )
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+
+
+def check_extras(num_heads: int, lambda_full, alibi_slopes) -> None:
+    if alibi_slopes is not None:
+        check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
+        if tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(
+                f"alibi_slopes must have shape [num_heads]=[{num_heads}], got {tuple(alibi_slopes.shape)}"
+            )
+    if lambda_full is not None:
+        check_dtype("lambda_full", lambda_full, FLOAT_DTYPES)
+        if lambda_full.numel() not in (1, num_heads // 2) or lambda_full.dim() > 1:
+            raise ValueError(
+                f"lambda_full must have shape [] or [num_heads // 2]=[{num_heads // 2}], "
+                f"got {tuple(lambda_full.shape)}"
+            )
+
+
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    check_dtype("key_cache", key_cache, FLOAT_DTYPES)
+    check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache must match key_cache, got {tuple(value_cache.shape)} {value_cache.dtype} "
+            f"vs {tuple(key_cache.shape)} {key_cache.dtype}"
+        )
+
+
+def check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
+                     lambda_full, window_left, window_right, softcap, alibi_slopes) -> None:
+    """Shape and dtype checks of paged attention (plain or differential)."""
+    check_dtype("query", query, FLOAT_DTYPES)
+    check_ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
+    check_cache_pair(key_cache, value_cache)
+    if key_cache.dtype != query.dtype:
+        raise TypeError(f"key_cache dtype {key_cache.dtype} must equal query dtype {query.dtype}")
+    if key_cache.shape[3] != query.shape[2]:
+        raise ValueError(
+            f"head_size of key_cache ({key_cache.shape[3]}) must equal query's ({query.shape[2]})"
+        )
+    check_head_size("query", query.shape[2])
+    check_heads(query.shape[1], key_cache.shape[2], lambda_full is not None)
+    check_dtype("cu_seqlens_q", cu_seqlens_q, (torch.int32,))
+    check_ndim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
+    check_dtype("seq_lens", seq_lens, (torch.int32,))
+    check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_ndim("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"cu_seqlens_q must have num_seqs + 1 entries and block_table num_seqs rows; got "
+            f"num_seqs={num_seqs} (seq_lens), cu_seqlens_q {tuple(cu_seqlens_q.shape)}, "
+            f"block_table {tuple(block_table.shape)}"
+        )
+    check_options(window_left, window_right, softcap)
+    check_extras(query.shape[1], lambda_full, alibi_slopes)
+    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                      cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
+                      lambda_full=lambda_full, alibi_slopes=alibi_slopes)
+
+
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
+                      window_left, window_right, softcap, alibi_slopes) -> None:
+    """Shape and dtype checks of varlen attention over contiguous k/v."""
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_ndim("q", q, 3, "[total_q, num_heads, head_size]")
+    check_ndim("k", k, 3, "[total_k, num_kv_heads, head_size]")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"head_size of k ({k.shape[2]}) must equal q's ({q.shape[2]})")
+    check_head_size("q", q.shape[2])
+    check_heads(q.shape[1], k.shape[1], lambda_full is not None)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_dtype(name, cu, (torch.int32,))
+        check_ndim(name, cu, 1, "[num_seqs + 1]")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+            "must have the same length num_seqs + 1"
+        )
+    check_options(window_left, window_right, softcap)
+    check_extras(q.shape[1], lambda_full, alibi_slopes)
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      lambda_full=lambda_full, alibi_slopes=alibi_slopes)
+
+
+def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int) -> list[int]:
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the token count {total}, got {values}"
+        )
+    return values
+
+
+def check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table) -> None:
+    """Value checks of paged attention (reads device memory)."""
+    starts = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, query.shape[0])
+    num_blocks, block_size = key_cache.shape[:2]
+    max_len = block_table.shape[1] * block_size
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if not 0 <= seq_len <= max_len:
+            raise ValueError(
+                f"seq_lens[{b}]={seq_len} is out of range [0, {max_len}] "
+                f"(block_table width {block_table.shape[1]} x block_size {block_size})"
+            )
+        if starts[b + 1] - starts[b] > 0 and seq_len > 0:
+            used = block_table[b, : -(-seq_len // block_size)]
+            bad = (used < 0) | (used >= num_blocks)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"block_table[{b}] holds block ids {used[bad].tolist()} outside [0, {num_blocks})"
+                )
+
+
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k) -> None:
+    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+
+
+def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Shape and dtype checks of ``reshape_and_cache``."""
+    check_dtype("key", key, FLOAT_DTYPES)
+    check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    check_cache_pair(key_cache, value_cache)
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        raise TypeError(
+            f"key/value dtype ({key.dtype}, {value.dtype}) must equal the cache dtype {key_cache.dtype}"
+        )
+    if tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
+        raise ValueError(
+            f"key heads/head_size {tuple(key.shape[1:])} must match the cache's {tuple(key_cache.shape[2:])}"
+        )
+    check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    if slot_mapping.shape != key.shape[:1]:
+        raise ValueError(
+            f"slot_mapping must have one entry per token ({key.shape[0]}), got shape {tuple(slot_mapping.shape)}"
+        )
+    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      slot_mapping=slot_mapping)
+
+
+def check_slot_values(key_cache, slot_mapping) -> None:
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):
+        raise ValueError(
+            f"slot_mapping holds {slot_mapping[bad].tolist()[:8]} outside [-1, {num_slots}) "
+            f"(-1 is PAD_SLOT_ID; {num_slots} = num_blocks x block_size)"
+        )
+
+
+def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    check_dtype("block_mapping", block_mapping, (torch.int64,))
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [num_pairs, 2] (src, dst), got {tuple(block_mapping.shape)}")
+    if block_mapping.numel() and not torch.compiler.is_compiling():
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        if bool((src < 0).any() | (src >= num_src).any() | (dst < 0).any() | (dst >= num_dst).any()):
+            raise ValueError(
+                f"block_mapping ids must lie in [0, {num_src}) for src and [0, {num_dst}) for dst, "
+                f"got {block_mapping.tolist()[:8]}"
+            )
