@@ -1,0 +1,145 @@
+"""``compiled-attn`` command line: ``generate`` runs the decode loop on a model.
+
+Examples::
+
+    compiled-attn generate                              # embedded default model, CPU
+    compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .models import build_random_model, default_config, load_diffllama
+from .sampling import SamplingParams
+from .tokenizer import load_tokenizer
+
+DEFAULT_PROMPTS = ("The differential transformer", "Paged attention keeps the KV cache in blocks")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _prompt_ids(value: str) -> list[int]:
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids needs at least one id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compiled-attn", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text with a differential-attention model")
+    gen.add_argument("--model", type=Path, help="Hugging Face DiffLlama directory (default: embedded small model)")
+    prompts = gen.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    prompts.add_argument("--prompt-file", type=Path, help="file with one prompt per line")
+    prompts.add_argument("--prompt-ids", type=_prompt_ids, action="append",
+                         help="a prompt as comma-separated token ids (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed of the default model)")
+    gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def _read_prompts(args, tokenizer) -> list[list[int]]:
+    if args.prompt_ids:
+        return args.prompt_ids
+    if args.prompt_file:
+        lines = [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompt-file {args.prompt_file} holds no non-empty line")
+        return [tokenizer.encode(line) for line in lines]
+    return [tokenizer.encode(p) for p in (args.prompt or DEFAULT_PROMPTS)]
+
+
+def generate(args) -> dict:
+    """Run ``generate`` and return the JSON-ready result."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but torch sees no CUDA device")
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    start = time.perf_counter()
+    if args.model is None:
+        model = build_random_model(default_config(), seed=args.seed, dtype=dtype, device=args.device)
+    else:
+        model = load_diffllama(args.model, dtype=dtype, device=args.device)
+    load_seconds = time.perf_counter() - start
+    tokenizer = load_tokenizer(args.model)
+    prompts = _read_prompts(args, tokenizer)
+    params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
+    engine = Engine(model, block_size=args.block_size, compile=not args.no_compile)
+    if not args.no_compile:  # compile both graphs (prefill, decode) before timing
+        engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
+    completions, timings = engine.generate(prompts, params, seed=args.seed)
+    stats = engine.compile_stats
+    return {
+        "model": str(args.model) if args.model else "embedded-default",
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "completions": [
+            {"prompt_ids": c.prompt_ids, "generated_ids": c.output_ids,
+             "text": tokenizer.decode(c.output_ids), "finish_reason": c.finish_reason}
+            for c in completions
+        ],
+        "timings": {
+            "load_seconds": load_seconds,
+            "prefill_tokens": timings.prefill_tokens,
+            "prefill_seconds": timings.prefill_seconds,
+            "prefill_tokens_per_s": timings.prefill_tokens_per_s,
+            "decode_tokens": timings.decode_tokens,
+            "decode_seconds": timings.decode_seconds,
+            "decode_tokens_per_s": timings.decode_tokens_per_s,
+            "compile_seconds": stats.compile_seconds if stats else 0.0,
+        },
+        "compile": None if stats is None else {
+            "graphs_compiled": stats.graphs_compiled,
+            "graph_breaks": stats.graph_breaks,
+            "recompiles": stats.recompiles,
+        },
+    }
+
+
+def _print_text(result: dict, prompts_text: list[str]) -> None:
+    for i, c in enumerate(result["completions"]):
+        print(f"[{i}] {prompts_text[i]!r} -> {c['text']!r} ({len(c['generated_ids'])} tokens, {c['finish_reason']})")
+    t = result["timings"]
+    print(f"prefill: {t['prefill_tokens']} tokens, {t['prefill_tokens_per_s']:.1f} tokens/s")
+    print(f"decode:  {t['decode_tokens']} tokens, {t['decode_tokens_per_s']:.1f} tokens/s")
+    if result["compile"] is not None:
+        c = result["compile"]
+        print(f"compile: {t['compile_seconds']:.1f} s, {c['graphs_compiled']} graphs, "
+              f"{c['graph_breaks']} graph breaks, {c['recompiles']} recompiles")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = generate(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"compiled-attn: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        tokenizer = load_tokenizer(args.model)
+        _print_text(result, [tokenizer.decode(c["prompt_ids"]) for c in result["completions"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Multi-head attention (MHA / GQA / MQA) over the ``compiled_attn`` ops.
+
+The layer projects Q/K/V, applies RoPE, writes K/V into its paged cache with
+``reshape_and_cache`` and attends with one op call: ``varlen_attention`` over the fresh
+K/V when the batch is a pure prefill (or there is no cache), ``paged_attention`` over the
+cache otherwise (decode, chunked prefill, prefix hits, mixed batches). A layer that
+*shares* another layer's cache (cross-layer / YOCO KV sharing, as vLLM's
+``kv_sharing_target_layer_name``) projects only Q and reads that cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..metadata import AttentionMetadata
+from ..ops import paged_attention, reshape_and_cache, varlen_attention
+from ..ops.validation import check_head_size, check_heads
+from .rotary import RotaryEmbedding
+
+KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    """Attention layer; input and output ``[T, hidden_size]``.
+
+    Args:
+        hidden_size: model width.
+        num_heads: query heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv`` (``Hq % Hkv == 0``).
+        head_size: ``D`` (default ``hidden_size // num_heads``), multiple of 8 up to 256.
+        rope_theta: RoPE base, or ``None`` for no rotary embedding.
+        bias: bias on the Q/K/V/O projections.
+        sliding_window: attend to at most this many most recent tokens (self included),
+            i.e. flash-attn ``window_size=(sliding_window - 1, 0)``; ``None`` = global.
+        softcap: logit softcap (0 = off).
+        alibi_slopes: ``[Hq]`` ALiBi slopes or ``None``.
+        causal: causal mask (``False`` for encoders).
+        shares_kv_cache: project only Q and read another layer's cache.
+
+    Raises:
+        ValueError: head counts or head size the ops don't support, bad window.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int | None = None, *,
+        rope_theta: float | None = 10000.0, bias: bool = False, sliding_window: int | None = None,
+        softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, causal: bool = True,
+        shares_kv_cache: bool = False,
+    ) -> None:
+        super().__init__()
+        head_size = head_size or hidden_size // num_heads
+        check_heads(num_heads, num_kv_heads, differential=False)
+        check_head_size("head_size", head_size)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.shares_kv_cache = shares_kv_cache
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_size, bias=bias)
+        if not shares_kv_cache:
+            self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=bias)
+            self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_size, hidden_size, bias=bias)
+        self.rotary = RotaryEmbedding(head_size, rope_theta) if rope_theta is not None else None
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
+        self.attn_options = dict(scale=head_size ** -0.5, causal=causal, window_size=window, softcap=softcap)
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated."""
+        q = self.q_proj(hidden).unflatten(-1, (self.num_heads, self.head_size))
+        if self.shares_kv_cache:
+            return (*self._rotate(positions, q), None, None)
+        k = self.k_proj(hidden).unflatten(-1, (self.num_kv_heads, self.head_size))
+        v = self.v_proj(hidden).unflatten(-1, (self.num_kv_heads, self.head_size))
+        q, k = self._rotate(positions, q, k)
+        return q, k, v
+
+    def _rotate(self, positions, *heads):
+        return heads if self.rotary is None else self.rotary(positions, *heads)
+
+    def attend(self, q, k, v, md: AttentionMetadata, kv_cache: KVCacheLayer | None,
+               lambda_full: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache write + one attention op; returns the op's output (see the ops)."""
+        options = dict(self.attn_options, alibi_slopes=self.alibi_slopes)
+        if kv_cache is None:
+            if k is None:
+                raise ValueError("a layer that shares another layer's KV cache needs kv_cache")
+            return varlen_attention(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, **options)
+        if k is not None:
+            reshape_and_cache(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
+            if md.prefill_only:
+                return varlen_attention(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, **options)
+        return paged_attention(q, kv_cache[0], kv_cache[1], md.cu_seqlens_q, md.seq_lens,
+                               md.block_table, lambda_full, **options)
+
+    def forward(self, hidden: torch.Tensor, md: AttentionMetadata,
+                kv_cache: KVCacheLayer | None = None) -> torch.Tensor:
+        """``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V to ``kv_cache``."""
+        q, k, v = self.project(hidden, md.positions)
+        return self.o_proj(self.attend(q, k, v, md, kv_cache).flatten(1))

@@ -1,0 +1,138 @@
+"""DiffLlama-architecture decoder on the ``compiled_attn`` layers.
+
+Llama (RMSNorm, RoPE, SwiGLU MLP, pre-norm residual blocks) with
+:class:`~compiled_attn.layers.DifferentialAttention` in every layer, as Hugging Face
+``DiffLlamaForCausalLM``. Module names match that implementation, so its state dict loads
+as is, apart from the head order (see :mod:`compiled_attn.models.loader`).
+
+The forward takes packed tokens of a whole batch (``[T]``) with an
+:class:`~compiled_attn.metadata.AttentionMetadata` and the paged KV cache, which makes it
+one graph for ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import DifferentialAttention, RMSNorm
+from ..metadata import AttentionMetadata
+from .config import DiffLlamaConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer, arXiv 2002.05202)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DifferentialAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, depth=layer_idx, lambda_init=config.lambda_init,
+            lambda_std=config.lambda_std_dev, subln_affine=config.subln_affine,
+            norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+            bias=config.attention_bias, sliding_window=config.sliding_window,
+            shares_kv_cache=layer_idx in config.kv_sharing,
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, md: AttentionMetadata, kv_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), md, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DiffLlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; ``[T]`` ids -> ``[T, hidden_size]``."""
+
+    def __init__(self, config: DiffLlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        owners = [i for i in range(config.num_hidden_layers) if i not in config.kv_sharing]
+        # Index into the KV cache list of the cache each layer writes or reads.
+        self.cache_index = [owners.index(config.kv_sharing.get(i, i)) for i in range(config.num_hidden_layers)]
+        self.num_cache_layers = len(owners)
+
+    def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None) -> torch.Tensor:
+        x = self.embed_tokens(md.input_ids)
+        for layer, index in zip(self.layers, self.cache_index):
+            x = layer(x, md, None if kv_caches is None else kv_caches[index])
+        return self.norm(x)
+
+
+class DiffLlamaForCausalLM(nn.Module):
+    """DiffLlama language model over packed, paged batches.
+
+    Args:
+        config: the model's :class:`DiffLlamaConfig`.
+
+    ``num_cache_layers`` cache pairs of shape ``[num_blocks, block_size,
+    num_key_value_heads, head_dim]`` serve it (layers with ``kv_sharing`` read another
+    layer's pair).
+    """
+
+    def __init__(self, config: DiffLlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DiffLlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.model.num_cache_layers
+
+    def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run one step and return float32 logits.
+
+        Args:
+            md: the batch (``md.input_ids`` ``[T]``).
+            kv_caches: ``num_cache_layers`` ``(key_cache, value_cache)`` pairs, written in
+                place; ``None`` runs every layer as a cache-less varlen attention.
+            all_logits: logits of every token ``[T, vocab]`` instead of each sequence's
+                last token ``[B, vocab]``.
+        """
+        hidden = self.model(md, kv_caches)
+        if not all_logits:
+            hidden = hidden[md.last_token_indices()]
+        return self.lm_head(hidden).float()
+
+
+def build_random_model(config: DiffLlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> DiffLlamaForCausalLM:
+    """A model with weights drawn from ``seed``: normal(0, 0.02) for matrices and
+    embeddings (as Llama's ``initializer_range``), normal(0, ``lambda_std_dev``) for the
+    lambda vectors, ones for norms. Same seed, same weights, on every machine."""
+    generator = torch.Generator().manual_seed(seed)
+    model = DiffLlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif ".lambda_" in name:
+                param.normal_(0.0, config.lambda_std_dev, generator=generator)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

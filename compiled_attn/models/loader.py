@@ -1,0 +1,105 @@
+"""Load a Hugging Face DiffLlama directory (``config.json`` + safetensors).
+
+Hugging Face's DiffLlama stores the two components of a head pair in *block halves*:
+component 1 of pair ``j`` is query head ``j`` and component 2 is head ``j + H/2`` (KV
+heads likewise with ``Hkv/2``); see ``DiffLlamaAttention.forward`` (``torch.chunk`` over
+heads). Our layers and cache use *interleaved* pairs (heads ``2j``, ``2j + 1``), so the
+rows of ``q_proj``, ``k_proj`` and ``v_proj`` are permuted once here, at load time. The
+output of pair ``j`` stays at position ``j``, so ``o_proj`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from einops import rearrange
+from safetensors.torch import load_file
+
+from .config import DiffLlamaConfig
+from .diffllama import DiffLlamaForCausalLM
+
+
+def halves_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder the head rows of a projection from block halves to interleaved pairs.
+
+    Args:
+        weight: ``[num_heads * head_dim, ...]`` (a weight matrix or a bias).
+        num_heads: heads in the rows (even).
+    """
+    return rearrange(weight, "(two h d) ... -> (h two d) ...", two=2, h=num_heads // 2)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"model directory {model_dir} lacks shards listed in {index.name}: {missing}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"model directory {model_dir} has no model.safetensors or model.safetensors.index.json"
+        )
+    return [single]
+
+
+def load_config(model_dir: str | Path) -> DiffLlamaConfig:
+    """Read ``model_dir/config.json``.
+
+    Raises:
+        FileNotFoundError: no directory or no ``config.json``.
+        ValueError: not a DiffLlama config (see :meth:`DiffLlamaConfig.from_hf_dict`).
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+    return DiffLlamaConfig.from_hf_dict(json.loads(path.read_text()))
+
+
+def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> DiffLlamaForCausalLM:
+    """Build a :class:`DiffLlamaForCausalLM` from a Hugging Face DiffLlama directory.
+
+    Args:
+        model_dir: directory with ``config.json`` and ``model.safetensors`` (or a sharded
+            index).
+        dtype: parameter dtype (float32, float16, bfloat16).
+        device: where the model goes.
+
+    Returns:
+        The model in eval mode with gradients off.
+
+    Raises:
+        FileNotFoundError: missing config or weight files.
+        ValueError: not a DiffLlama, or tensors missing / unexpected / of the wrong shape.
+    """
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    state = {}
+    for path in _weight_files(model_dir):
+        state.update(load_file(path))
+    for key in list(state):
+        proj = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+            state[key] = halves_to_interleaved(state[key], heads)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = DiffLlamaForCausalLM(config)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {model_dir} do not match a DiffLlama of this config: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise ValueError(f"weights in {model_dir} do not fit the config: {err}") from err
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

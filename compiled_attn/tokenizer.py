@@ -1,0 +1,44 @@
+"""Text <-> token ids: a model directory's ``tokenizer.json`` or UTF-8 bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Token id = byte value of the UTF-8 encoding; ids >= 256 decode to U+FFFD."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(bytes([i]) if 0 <= i < 256 else "\ufffd".encode() for i in ids).decode(
+            "utf-8", errors="replace"
+        )
+
+
+class JsonTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tokenizer = HFTokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+
+def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
+    """``model_dir/tokenizer.json`` when present, otherwise :class:`ByteTokenizer`."""
+    path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    return JsonTokenizer(path) if path is not None and path.is_file() else ByteTokenizer()

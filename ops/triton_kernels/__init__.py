@@ -1,0 +1,22 @@
+"""Triton kernels of the ``compiled_attn`` ops (the CUDA implementations).
+
+========================  =======================================================================
+module                    idea
+========================  =======================================================================
+``attention_kernel``      one unified kernel: paged or contiguous K/V, plain or fused differential,
+                          any mix of prefill/decode rows, GQA groups sharing K/V loads, split-KV
+``merge_kernel``          merge of split-KV (flash-decoding) partials by log-sum-exp
+``cache_kernel``          ``reshape_and_cache`` (slot -1 skipped)
+``config``                tile sizes and split count from tensor shapes only (CUDA-graph safe)
+``attention``             host launchers ``paged_attention`` / ``varlen_attention``
+========================  =======================================================================
+
+:mod:`compiled_attn.ops.backends` registers these launchers as the ``cuda`` kernels of the
+custom ops. They can also be called directly, on CPU tensors too when ``TRITON_INTERPRET=1``
+is set before Triton is imported (the interpreter tests do so).
+"""
+
+from .attention import paged_attention, varlen_attention
+from .cache_kernel import reshape_and_cache
+
+__all__ = ["paged_attention", "reshape_and_cache", "varlen_attention"]

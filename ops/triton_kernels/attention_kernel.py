@@ -1,0 +1,257 @@
+"""The unified attention kernel: paged or contiguous K/V, plain or differential.
+
+One launch serves a whole batch that mixes prefill, chunked prefill, prefix-cache hits,
+decode and multi-token decode. The launch grid is ``(num_q_tiles, num_kv_units,
+num_splits)`` and depends on tensor shapes only (CUDA-graph safe):
+
+* ``num_q_tiles = num_tokens // BLOCK_Q + num_seqs`` bounds the query tiles of all
+  sequences (sequence ``b`` owns tiles ``cu_seqlens_q[b] // BLOCK_Q + b`` onwards, at least
+  ``ceil(q_len / BLOCK_Q)`` of them); a program finds its sequence by binary search over
+  ``cu_seqlens_q`` and exits when its tile is past the sequence's queries.
+* ``num_kv_units`` is the number of KV heads (plain) or KV head pairs (differential). One
+  program handles ``BLOCK_Q`` query tokens times every query head (pair) that reads its KV
+  head (pair), so a GQA group of ``GROUP`` heads shares each K/V load. Row ``r`` of the
+  ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows is query token ``r // GROUP_PAD`` and head
+  ``r % GROUP_PAD`` of the group.
+* ``num_splits`` > 1 is flash-decoding: split ``s`` of a tile covers the ``s``-th share of
+  its key tiles and writes a normalized partial output and its log-sum-exp (base 2) to
+  scratch; :mod:`.merge_kernel` combines them.
+
+Math: the online softmax of FlashAttention-2 (Dao 2023, arXiv 2307.08691, algorithm 1) in
+base 2, with the masks of ``flash_attn_with_kvcache``: query ``i`` of a sequence sits at key
+position ``p = i + kv_len - q_len`` and sees key ``j`` when
+``min_dist <= p - j <= max_dist`` (the launcher folds ``causal`` and ``window_size`` into
+these two bounds). Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then
+``- slope * |p - j|`` (ALiBi). Rows that see no key produce zeros.
+
+Differential (Ye et al. 2024, arXiv 2410.05258, eq. 1): a program owns KV heads ``2u`` and
+``2u + 1`` and query head pairs ``(2j, 2j + 1)``; it keeps two online-softmax states (``q1.k1``
+and ``q2.k2``) over the same K/V tiles, loaded once, each accumulating ``softmax . [v1, v2]``,
+and writes ``o1 - lambda_j * o2`` (float32 arithmetic) as ``[T, H/2, 2D]``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
+    """The sequence ``b`` with ``start(b) <= q_tile < start(b + 1)``, where
+    ``start(b) = cu_seqlens_q[b] // BLOCK_Q + b`` (strictly increasing in ``b``)."""
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            left = mid
+        else:
+            right = mid - 1
+    return left
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh`` from ``exp`` (portable across Triton versions and the interpreter)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _scores(q, k, dist, visible, scale, softcap, slope,
+            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Masked scores in base 2: ``[BLOCK_M, TILE_N]`` float32, ``-inf`` where invisible.
+
+    ``q`` ``[BLOCK_M, HEAD_SIZE_PAD]``, ``k`` ``[TILE_N, HEAD_SIZE_PAD]``, ``dist = p - j``."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    if ALIBI:
+        s -= slope[:, None] * tl.abs(dist).to(tl.float32)
+    return tl.where(visible, s * LOG2E, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(m, l, s):
+    """One step of the online softmax: new running max/sum, the tile's probabilities and
+    the rescale factor of the old accumulator. Rows still at ``-inf`` stay at zero."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    return m_new, l * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _normalize(acc, l):
+    """``acc / l`` per row, zeros for rows that saw no key (``l == 0``)."""
+    return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def _log_sum_exp(m, l):
+    """Base-2 log-sum-exp of a row; ``-inf`` for rows that saw no key."""
+    return tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+
+
+@triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist"])
+def attention_kernel(
+    out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
+    cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr, alibi_ptr,
+    num_seqs, scale, softcap, min_dist, max_dist,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    stride_os, stride_ot, stride_oh, stride_od,
+    stride_ls, stride_lt, stride_lh,
+    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DIFFERENTIAL: tl.constexpr,
+    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    LAMBDA_PER_PAIR: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """Attention of one query tile x one KV head (pair) x one KV split.
+
+    Args:
+        out_ptr: ``SPLIT``: float32 partial outputs ``[num_splits, T, Hq, Dv]`` (``Dv`` =
+            ``D``, or ``2D`` differential, each query head its own row); else the output
+            ``[T, Hq, D]`` or, differential, ``[T, Hq/2, 2D]``, in the query's dtype.
+        lse_ptr: ``SPLIT``: float32 ``[num_splits, T, Hq]`` base-2 log-sum-exp; else unused.
+        q_ptr: ``[T, Hq, D]`` float16/bfloat16/float32.
+        k_ptr, v_ptr: ``PAGED``: caches ``[num_blocks, BLOCK_SIZE, Hkv, D]``; else contiguous
+            ``[total_k, Hkv, D]`` (``stride_ks`` unused).
+        cu_seqlens_q_ptr: ``[B + 1]`` int32. kv_lens_ptr: ``PAGED``: ``seq_lens`` ``[B]``;
+            else ``cu_seqlens_k`` ``[B + 1]``. block_table_ptr: ``[B, max_blocks]`` int32
+            (``PAGED`` only).
+        lambda_ptr: differential lambda, ``[]`` or ``[Hq/2]`` (``LAMBDA_PER_PAIR``).
+        alibi_ptr: ``[Hq]`` float32 slopes (``ALIBI`` only).
+        min_dist, max_dist: key ``j`` is visible from key position ``p`` when
+            ``min_dist <= p - j <= max_dist``.
+    """
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    q_tile = tl.program_id(0)
+    kv_unit = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_first = (q_tile - q_start // BLOCK_Q - seq) * BLOCK_Q
+    if q_first >= q_len:
+        return
+    if PAGED:
+        kv_len = tl.load(kv_lens_ptr + seq)
+    else:
+        kv_start = tl.load(kv_lens_ptr + seq)
+        kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_start
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_first + rows // GROUP_PAD
+    member = rows % GROUP_PAD
+    head_ok = member < GROUP
+    row_ok = (q_idx < q_len) & head_ok
+    head = kv_unit * GROUP + member  # query head (plain) or query head pair (differential)
+    token = (q_start + q_idx).to(tl.int64)
+    pos = q_idx + kv_len - q_len
+    dims = tl.arange(0, HEAD_SIZE_PAD)
+    dim_ok = dims < HEAD_SIZE
+
+    if DIFFERENTIAL:
+        q_head = 2 * head
+        kv_head = 2 * kv_unit
+    else:
+        q_head = head
+        kv_head = kv_unit
+    q_ptrs = q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if ALIBI:
+        slope1 = tl.load(alibi_ptr + q_head, mask=head_ok, other=0.0)
+    else:
+        slope1 = tl.zeros([BLOCK_M], tl.float32)
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)
+    if DIFFERENTIAL:
+        q2 = tl.load(q_ptrs + stride_qh, mask=q_mask, other=0.0)
+        if ALIBI:
+            slope2 = tl.load(alibi_ptr + q_head + 1, mask=head_ok, other=0.0)
+        else:
+            slope2 = tl.zeros([BLOCK_M], tl.float32)
+        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_M], tl.float32)
+        acc1b = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)  # softmax1 . v2
+        acc2 = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)   # softmax2 . v1
+        acc2b = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)  # softmax2 . v2
+
+    # Keys this tile can see, in whole key tiles; this split's share of them.
+    pos_first = q_first + kv_len - q_len
+    pos_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1 + kv_len - q_len
+    kv_hi = tl.maximum(tl.minimum(pos_last - min_dist + 1, kv_len), 0)
+    tile_lo = tl.maximum(pos_first - max_dist, 0) // TILE_N
+    num_tiles = tl.maximum(tl.cdiv(kv_hi, TILE_N) - tile_lo, 0)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = tile_lo + split * per_split
+    tile_end = tl.minimum(tile_begin + per_split, tile_lo + num_tiles)
+
+    offs_n = tl.arange(0, TILE_N)
+    for kv_tile in range(tile_begin, tile_end):
+        kpos = kv_tile * TILE_N + offs_n
+        kv_ok = kpos < kv_hi
+        if PAGED:
+            block = tl.load(block_table_ptr + seq * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+            k_rows = block.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
+            v_rows = block.to(tl.int64) * stride_vb + (kpos % BLOCK_SIZE) * stride_vs
+        else:
+            k_rows = (kv_start + kpos).to(tl.int64) * stride_kb
+            v_rows = (kv_start + kpos).to(tl.int64) * stride_vb
+        kv_mask = kv_ok[:, None] & dim_ok[None, :]
+        k_ptrs = k_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd
+        v_ptrs = v_ptr + v_rows[:, None] + kv_head * stride_vh + dims[None, :] * stride_vd
+        k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        dist = pos[:, None] - kpos[None, :]
+        visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
+
+        s1 = _scores(q1, k1, dist, visible, scale, softcap, slope1, SOFTCAP, ALIBI)
+        m1, l1, p1, alpha1 = _online_softmax(m1, l1, s1)
+        p1 = p1.to(v1.dtype)
+        acc1 = acc1 * alpha1[:, None] + tl.dot(p1, v1, input_precision="ieee")
+        if DIFFERENTIAL:
+            k2 = tl.load(k_ptrs + stride_kh, mask=kv_mask, other=0.0)
+            v2 = tl.load(v_ptrs + stride_vh, mask=kv_mask, other=0.0)
+            acc1b = acc1b * alpha1[:, None] + tl.dot(p1, v2, input_precision="ieee")
+            s2 = _scores(q2, k2, dist, visible, scale, softcap, slope2, SOFTCAP, ALIBI)
+            m2, l2, p2, alpha2 = _online_softmax(m2, l2, s2)
+            p2 = p2.to(v1.dtype)
+            acc2 = acc2 * alpha2[:, None] + tl.dot(p2, v1, input_precision="ieee")
+            acc2b = acc2b * alpha2[:, None] + tl.dot(p2, v2, input_precision="ieee")
+
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if SPLIT:
+        # Partials of every query head: row q_head holds [o.v1 | o.v2] (differential).
+        part = out_ptr + split * stride_os + token[:, None] * stride_ot + dims[None, :] * stride_od
+        part1 = part + q_head[:, None] * stride_oh
+        lse = lse_ptr + split * stride_ls + token * stride_lt + q_head * stride_lh
+        tl.store(part1, _normalize(acc1, l1), mask=out_mask)
+        tl.store(lse, _log_sum_exp(m1, l1), mask=row_ok)
+        if DIFFERENTIAL:
+            part2 = part1 + stride_oh
+            tl.store(part1 + HEAD_SIZE * stride_od, _normalize(acc1b, l1), mask=out_mask)
+            tl.store(part2, _normalize(acc2, l2), mask=out_mask)
+            tl.store(part2 + HEAD_SIZE * stride_od, _normalize(acc2b, l2), mask=out_mask)
+            tl.store(lse + stride_lh, _log_sum_exp(m2, l2), mask=row_ok)
+    else:
+        out = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+        if DIFFERENTIAL:
+            if LAMBDA_PER_PAIR:
+                lam = tl.load(lambda_ptr + head, mask=head_ok, other=0.0).to(tl.float32)
+            else:
+                lam = tl.load(lambda_ptr).to(tl.float32) + tl.zeros([BLOCK_M], tl.float32)
+            o_a = _normalize(acc1, l1) - lam[:, None] * _normalize(acc2, l2)
+            o_b = _normalize(acc1b, l1) - lam[:, None] * _normalize(acc2b, l2)
+            tl.store(out, o_a.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(out + HEAD_SIZE * stride_od, o_b.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(out, _normalize(acc1, l1).to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -1,0 +1,66 @@
+"""Merge of split-KV (flash-decoding) partial results.
+
+Split ``s`` of a query row left a normalized partial output ``o_s`` and its base-2
+log-sum-exp ``lse_s`` over its share of the keys; the full row is
+``sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s`` (Dao et al.,
+"Flash-Decoding for long-context inference", 2023; the same rescaling as the online
+softmax). Splits that saw no key have ``lse_s = -inf`` and weigh nothing; a row no split
+saw is zeros. Differential rows merge the two components (query heads ``2j`` and
+``2j + 1``) separately, then combine ``o1 - lambda_j * o2`` in float32.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_head(part_ptr, lse_ptr, token, head, num_splits,
+                stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                VALUE_SIZE: tl.constexpr, VALUE_SIZE_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Merged ``[VALUE_SIZE_PAD]`` float32 output of one query head of one token."""
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    dims = tl.arange(0, VALUE_SIZE_PAD)
+    lse = tl.load(lse_ptr + splits * stride_ls + token * stride_lt + head, mask=split_ok,
+                  other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph
+                   + dims[None, :], mask=split_ok[:, None] & (dims < VALUE_SIZE)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    return tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_ptr, lse_ptr, lambda_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    VALUE_SIZE: tl.constexpr, VALUE_SIZE_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    DIFFERENTIAL: tl.constexpr, LAMBDA_PER_PAIR: tl.constexpr,
+):
+    """One program per (token, output head); grid ``(T, Hq)`` or, differential, ``(T, Hq/2)``.
+
+    Args:
+        out_ptr: ``[T, Hq, D]`` or ``[T, Hq/2, 2D]``, the query's dtype (last dim contiguous).
+        part_ptr: float32 ``[num_splits, T, Hq, VALUE_SIZE]`` (last dim contiguous).
+        lse_ptr: float32 ``[num_splits, T, Hq]`` (head dim contiguous).
+        lambda_ptr: ``[]`` or ``[Hq/2]`` differential lambda (differential only).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if DIFFERENTIAL:
+        o1 = _merge_head(part_ptr, lse_ptr, token, 2 * head, num_splits, stride_ps, stride_pt,
+                         stride_ph, stride_ls, stride_lt, VALUE_SIZE, VALUE_SIZE_PAD, SPLITS_PAD)
+        o2 = _merge_head(part_ptr, lse_ptr, token, 2 * head + 1, num_splits, stride_ps, stride_pt,
+                         stride_ph, stride_ls, stride_lt, VALUE_SIZE, VALUE_SIZE_PAD, SPLITS_PAD)
+        if LAMBDA_PER_PAIR:
+            lam = tl.load(lambda_ptr + head).to(tl.float32)
+        else:
+            lam = tl.load(lambda_ptr).to(tl.float32)
+        out = o1 - lam * o2
+    else:
+        out = _merge_head(part_ptr, lse_ptr, token, head, num_splits, stride_ps, stride_pt,
+                          stride_ph, stride_ls, stride_lt, VALUE_SIZE, VALUE_SIZE_PAD, SPLITS_PAD)
+    dims = tl.arange(0, VALUE_SIZE_PAD)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < VALUE_SIZE)

@@ -1,0 +1,150 @@
+"""build_metadata: exact tensors of a mixed batch, errors, pytree round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from compiled_attn.metadata import (
+    PAD_SLOT_ID,
+    TENSOR_FIELDS,
+    AttentionMetadata,
+    SequenceChunk,
+    build_metadata,
+)
+
+BLOCK_SIZE = 4
+MAX_BLOCKS = 4
+NUM_BLOCKS = 10
+
+
+def mixed_chunks() -> list[SequenceChunk]:
+    return [
+        # prefill: 5 tokens, positions 0..4 in blocks 3, 5
+        SequenceChunk([11, 12, 13, 14, 15], 0, [3, 5]),
+        # chunked prefill on top of 6 cached tokens: positions 6..8 in blocks 0, 7, 2
+        SequenceChunk([21, 22, 23], 6, [0, 7, 2]),
+        # decode: position 9 in blocks 1, 4, 6
+        SequenceChunk([31], 9, [1, 4, 6]),
+        # multi-token (speculative) decode: positions 3, 4 in blocks 8, 9
+        SequenceChunk([41, 42], 3, [8, 9]),
+    ]
+
+
+def test_mixed_batch_exact_values_and_dtypes():
+    md = build_metadata(mixed_chunks(), BLOCK_SIZE, MAX_BLOCKS, "cpu", NUM_BLOCKS)
+    assert md.input_ids.tolist() == [11, 12, 13, 14, 15, 21, 22, 23, 31, 41, 42]
+    assert md.positions.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 3, 4]
+    assert md.slot_mapping.tolist() == [
+        3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 5 * 4 + 0,  # seq 0
+        7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0,  # seq 1: positions 6, 7 in block 7; 8 in block 2
+        6 * 4 + 1,  # seq 2: position 9 in block 6
+        8 * 4 + 3, 9 * 4 + 0,  # seq 3: positions 3 (block 8), 4 (block 9)
+    ]
+    assert md.cu_seqlens_q.tolist() == [0, 5, 8, 9, 11]
+    assert md.seq_lens.tolist() == [5, 9, 10, 5]
+    assert md.block_table.tolist() == [[3, 5, 0, 0], [0, 7, 2, 0], [1, 4, 6, 0], [8, 9, 0, 0]]
+    assert md.prefill_only is False
+    assert md.query_lens == (5, 3, 1, 2)
+    assert md.num_seqs == 4 and md.num_tokens == 11
+    assert md.last_token_indices().tolist() == [4, 7, 8, 10]
+    assert md.last_token_indices().dtype == torch.int64
+    dtypes = {name: getattr(md, name).dtype for name in TENSOR_FIELDS}
+    assert dtypes == {
+        "input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+        "cu_seqlens_q": torch.int32, "seq_lens": torch.int32, "block_table": torch.int32,
+    }
+    for name in TENSOR_FIELDS:
+        assert getattr(md, name).device.type == "cpu"
+    assert (md.slot_mapping != PAD_SLOT_ID).all()
+
+
+def test_prefill_only_flag_and_single_decode():
+    md = build_metadata([SequenceChunk([1, 2], 0, [4]), SequenceChunk([3], 0, [2])], 4, 2)
+    assert md.prefill_only is True
+    assert md.slot_mapping.tolist() == [16, 17, 8]
+    assert md.block_table.tolist() == [[4, 0], [2, 0]]
+    md = build_metadata([SequenceChunk([7], 5, [1, 0])], 4, 2)
+    assert md.prefill_only is False
+    assert md.positions.tolist() == [5]
+    assert md.slot_mapping.tolist() == [0 * 4 + 1]
+    assert md.seq_lens.tolist() == [6]
+    assert md.cu_seqlens_q.tolist() == [0, 1]
+    assert md.block_table.shape == (1, 2)
+
+
+def test_block_table_exactly_full_width_and_exact_cover_are_fine():
+    # 8 tokens fill two blocks of 4 exactly; table width equals max_blocks_per_seq.
+    md = build_metadata([SequenceChunk(list(range(8)), 0, [6, 2])], 4, 2, num_blocks=7)
+    assert md.block_table.tolist() == [[6, 2]]
+    assert md.slot_mapping.tolist() == [24, 25, 26, 27, 8, 9, 10, 11]
+
+
+def test_empty_batch():
+    with pytest.raises(ValueError, match="chunks.*empty batch"):
+        build_metadata([], BLOCK_SIZE, MAX_BLOCKS)
+
+
+def test_empty_chunk_names_the_chunk():
+    chunks = [SequenceChunk([1], 0, [0]), SequenceChunk([], 3, [1])]
+    with pytest.raises(ValueError, match=r"chunks\[1\].*>= 1 new token"):
+        build_metadata(chunks, BLOCK_SIZE, MAX_BLOCKS)
+
+
+def test_negative_context_len():
+    with pytest.raises(ValueError, match=r"chunks\[0\].*context_len"):
+        build_metadata([SequenceChunk([1], -1, [0])], BLOCK_SIZE, MAX_BLOCKS)
+
+
+def test_block_table_too_short_names_the_field():
+    # context 6 + 3 new = 9 tokens need 3 blocks of 4; only 2 given.
+    chunks = [SequenceChunk([1], 0, [0]), SequenceChunk([1, 2, 3], 6, [0, 1])]
+    with pytest.raises(ValueError, match=r"chunks\[1\]\.block_table has 2 blocks.*seq_len=9"):
+        build_metadata(chunks, BLOCK_SIZE, MAX_BLOCKS)
+
+
+def test_block_table_too_wide_names_the_field():
+    with pytest.raises(ValueError, match=r"chunks\[0\]\.block_table.*max_blocks_per_seq=4"):
+        build_metadata([SequenceChunk([1], 0, [0, 1, 2, 3, 4])], BLOCK_SIZE, MAX_BLOCKS)
+
+
+@pytest.mark.parametrize("bad", [10, -1, 99])
+def test_block_id_out_of_range_names_the_field(bad):
+    chunks = [SequenceChunk([1, 2], 0, [0]), SequenceChunk([1], 4, [2, bad])]
+    with pytest.raises(ValueError, match=r"chunks\[1\]\.block_table .*outside \[0, 10\)"):
+        build_metadata(chunks, BLOCK_SIZE, MAX_BLOCKS, num_blocks=NUM_BLOCKS)
+
+
+def test_block_ids_not_checked_without_num_blocks():
+    md = build_metadata([SequenceChunk([1], 0, [50])], BLOCK_SIZE, MAX_BLOCKS)
+    assert md.slot_mapping.tolist() == [200]
+
+
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_pytree_round_trip_keeps_tensors_and_prefill_only(prefill_only):
+    chunks = mixed_chunks() if not prefill_only else [SequenceChunk([1, 2, 3], 0, [2])]
+    md = build_metadata(chunks, BLOCK_SIZE, MAX_BLOCKS)
+    assert md.prefill_only is prefill_only
+    leaves, spec = pytree.tree_flatten(md)
+    assert len(leaves) == len(TENSOR_FIELDS)
+    for leaf, name in zip(leaves, TENSOR_FIELDS):
+        assert leaf is getattr(md, name)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(back, AttentionMetadata)
+    assert back.prefill_only is prefill_only
+    for name in TENSOR_FIELDS:
+        assert getattr(back, name) is getattr(md, name)
+    # tree_map transforms every tensor and keeps the static flag.
+    doubled = pytree.tree_map(lambda t: t * 2, md)
+    assert doubled.prefill_only is prefill_only
+    assert doubled.input_ids.tolist() == [2 * i for i in md.input_ids.tolist()]
+    assert doubled.block_table.dtype == torch.int32
+
+
+def test_pytree_spec_differs_by_prefill_only_and_keys_name_fields():
+    a = build_metadata([SequenceChunk([1], 0, [0])], BLOCK_SIZE, MAX_BLOCKS)
+    b = build_metadata([SequenceChunk([1], 2, [0])], BLOCK_SIZE, MAX_BLOCKS)
+    assert pytree.tree_structure(a) != pytree.tree_structure(b)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(a)[0]]
+    assert [p[0].name for p in paths] == list(TENSOR_FIELDS)

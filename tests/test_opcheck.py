@@ -1,0 +1,147 @@
+"""``torch.library.opcheck`` on every ``compiled_attn`` op, several shape sets each.
+
+opcheck runs, per call: ``test_schema`` (declared mutations/aliasing match what the kernel
+does), ``test_autograd_registration``, ``test_faketensor`` (the fake impl's output matches
+the real one in shape/dtype/strides), ``test_aot_dispatch_static`` and
+``test_aot_dispatch_dynamic`` (the op traces through AOTAutograd with static and dynamic
+shapes). The raw overloads ``torch.ops.compiled_attn.<name>.default`` are called with
+positional arguments in schema order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_attn  # noqa: F401
+
+from paged_batches import alibi_slopes, make_lambda, make_paged_batch, make_varlen_batch, pad, randn_nonzero
+
+ops = torch.ops.compiled_attn
+
+# name -> (seqs, block_size, num_heads, num_kv_heads, head_size, dtype, options)
+# options = (scale, causal, window_left, window_right, softcap, use_alibi)
+PAGED_CASES = {
+    "mha_causal": ([(0, 5), (7, 2), (9, 1)], 16, 2, 2, 16, torch.float32, (0.25, True, -1, -1, 0.0, False)),
+    "gqa_alibi_window": ([(0, 9), (17, 3), (4, 0), (20, 1)], 16, 4, 2, 16, torch.float32,
+                         (0.25, True, 6, -1, 0.0, True)),
+    "mqa_noncausal_softcap_bf16": ([(3, 4), (30, 2)], 32, 4, 1, 32, torch.bfloat16,
+                                   (0.2, False, 4, 2, 5.0, False)),
+    "padded_rows_fp16": ([(5, 2), pad(1), (0, 3), pad(1)], 16, 4, 2, 16, torch.float16,
+                         (0.25, True, -1, -1, 0.0, True)),
+}
+DIFF_PAGED_CASES = {
+    "scalar_lambda": ([(0, 5), (7, 2), (9, 1)], 16, 4, 2, 16, torch.float32,
+                      (0.25, True, -1, -1, 0.0, False), False),
+    "per_pair_lambda_alibi": ([(0, 9), (17, 3), (20, 1)], 16, 8, 4, 16, torch.float32,
+                              (0.25, True, 8, -1, 0.0, True), True),
+    "per_pair_gqa4_softcap_bf16": ([(3, 4), (30, 2), pad(1)], 32, 8, 2, 16, torch.bfloat16,
+                                   (0.2, False, -1, -1, 4.0, False), True),
+}
+VARLEN_CASES = {
+    "self_causal": ([5, 1, 7], None, 2, 2, 16, torch.float32, (0.25, True, -1, -1, 0.0, False)),
+    "gqa_cross_alibi": ([3, 0, 4], [6, 2, 4], 4, 2, 16, torch.float32, (0.25, False, -1, -1, 0.0, True)),
+    "mqa_window_softcap_fp16": ([9, 4], [9, 6], 4, 1, 32, torch.float16, (0.2, True, 3, -1, 3.0, False)),
+}
+DIFF_VARLEN_CASES = {
+    "scalar_lambda": ([5, 1, 7], None, 4, 2, 16, torch.float32, (0.25, True, -1, -1, 0.0, False), False),
+    "per_pair_lambda_alibi_cross": ([3, 0, 4], [6, 2, 4], 8, 4, 16, torch.float32,
+                                    (0.25, False, 2, 2, 0.0, True), True),
+    "per_pair_gqa_bf16": ([9, 4], None, 8, 2, 16, torch.bfloat16, (0.2, True, -1, -1, 2.0, False), True),
+}
+
+
+def _options(options, num_heads):
+    scale, causal, left, right, softcap, use_alibi = options
+    return (scale, causal, left, right, softcap, alibi_slopes(num_heads) if use_alibi else None)
+
+
+def _paged_args(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, seed):
+    b = make_paged_batch(seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_size=head_size, dtype=dtype, seed=seed)
+    return b.attention_args()
+
+
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_opcheck_paged_attention(case):
+    seqs, bs, h, hkv, d, dtype, options = PAGED_CASES[case]
+    args = (*_paged_args(seqs, bs, h, hkv, d, dtype, 1), *_options(options, h))
+    out = ops.paged_attention.default(*args)
+    assert out.shape == args[0].shape and bool(torch.isfinite(out).all())
+    torch.library.opcheck(ops.paged_attention.default, args)
+
+
+@pytest.mark.parametrize("case", list(DIFF_PAGED_CASES))
+def test_opcheck_differential_paged_attention(case):
+    seqs, bs, h, hkv, d, dtype, options, per_pair = DIFF_PAGED_CASES[case]
+    lam = make_lambda(h, per_pair)
+    args = (*_paged_args(seqs, bs, h, hkv, d, dtype, 2), lam, *_options(options, h))
+    out = ops.differential_paged_attention.default(*args)
+    assert out.shape == (args[0].shape[0], h // 2, 2 * d) and bool(torch.isfinite(out).all())
+    torch.library.opcheck(ops.differential_paged_attention.default, args)
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_opcheck_varlen_attention(case):
+    q_lens, k_lens, h, hkv, d, dtype, options = VARLEN_CASES[case]
+    b = make_varlen_batch(q_lens, k_lens, num_heads=h, num_kv_heads=hkv, head_size=d, dtype=dtype, seed=3)
+    args = (*b.attention_args(), *_options(options, h))
+    out = ops.varlen_attention.default(*args)
+    assert out.shape == b.q.shape and bool(torch.isfinite(out).all())
+    torch.library.opcheck(ops.varlen_attention.default, args)
+
+
+@pytest.mark.parametrize("case", list(DIFF_VARLEN_CASES))
+def test_opcheck_differential_varlen_attention(case):
+    q_lens, k_lens, h, hkv, d, dtype, options, per_pair = DIFF_VARLEN_CASES[case]
+    b = make_varlen_batch(q_lens, k_lens, num_heads=h, num_kv_heads=hkv, head_size=d, dtype=dtype, seed=4)
+    args = (*b.attention_args(), make_lambda(h, per_pair), *_options(options, h))
+    out = ops.differential_varlen_attention.default(*args)
+    assert out.shape == (b.q.shape[0], h // 2, 2 * d) and bool(torch.isfinite(out).all())
+    torch.library.opcheck(ops.differential_varlen_attention.default, args)
+
+
+@pytest.mark.parametrize("dtype,block_size,heads,slots", [
+    (torch.float32, 16, 2, [3, 17, -1, 40, 0]),
+    (torch.bfloat16, 32, 1, [-1, -1]),
+    (torch.float16, 16, 4, [47, 1, 2, 30, -1, 8, 9]),
+], ids=["fp32", "bf16_all_pad", "fp16"])
+def test_opcheck_reshape_and_cache(dtype, block_size, heads, slots):
+    g = torch.Generator().manual_seed(len(slots))
+    num_blocks = 3
+    key_cache = randn_nonzero((num_blocks, block_size, heads, 16), dtype, g)
+    value_cache = randn_nonzero((num_blocks, block_size, heads, 16), dtype, g)
+    key = randn_nonzero((len(slots), heads, 16), dtype, g)
+    value = randn_nonzero((len(slots), heads, 16), dtype, g)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    before = key_cache.clone()
+    ops.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            assert torch.equal(key_cache[s // block_size, s % block_size], key[t])
+            assert torch.equal(value_cache[s // block_size, s % block_size], value[t])
+    assert bool((key_cache != before).any()) == any(s >= 0 for s in slots)
+    torch.library.opcheck(ops.reshape_and_cache.default, (key, value, key_cache, value_cache, slot_mapping))
+
+
+@pytest.mark.parametrize("num_layers,pairs", [(1, [[0, 1]]), (2, [[3, 0], [1, 2], [3, 4]])])
+def test_opcheck_copy_blocks(num_layers, pairs):
+    g = torch.Generator().manual_seed(num_layers)
+    kc = [randn_nonzero((5, 16, 2, 16), torch.float32, g) for _ in range(num_layers)]
+    vc = [randn_nonzero((5, 16, 2, 16), torch.float32, g) for _ in range(num_layers)]
+    mapping = torch.tensor(pairs, dtype=torch.int64)
+    src, dst = pairs[-1]
+    ops.copy_blocks.default(kc, vc, mapping)
+    assert torch.equal(kc[-1][dst], kc[-1][src]) and torch.equal(vc[0][dst], vc[0][src])
+    torch.library.opcheck(ops.copy_blocks.default, (kc, vc, mapping))
+
+
+@pytest.mark.parametrize("src_blocks,dst_blocks,dtype", [(4, 6, torch.float32), (6, 3, torch.bfloat16)])
+def test_opcheck_swap_blocks(src_blocks, dst_blocks, dtype):
+    g = torch.Generator().manual_seed(src_blocks)
+    src = randn_nonzero((src_blocks, 16, 2, 16), dtype, g)
+    dst = randn_nonzero((dst_blocks, 16, 2, 16), dtype, g)
+    mapping = torch.tensor([[0, dst_blocks - 1], [src_blocks - 1, 0]], dtype=torch.int64)
+    ops.swap_blocks.default(src, dst, mapping)
+    assert torch.equal(dst[dst_blocks - 1], src[0]) and torch.equal(dst[0], src[src_blocks - 1])
+    torch.library.opcheck(ops.swap_blocks.default, (src, dst, mapping))
