@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .engine import Engine
+from .kv_cache import OutOfBlocksError
 from .models import build_random_model, default_config, load_diffllama
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
-    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    gen.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: 8 sequences of max length)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
@@ -82,7 +84,7 @@ def generate(args) -> dict:
     tokenizer = load_tokenizer(args.model)
     prompts = _read_prompts(args, tokenizer)
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
-    engine = Engine(model, block_size=args.block_size, compile=not args.no_compile)
+    engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile)
     if not args.no_compile:  # compile both graphs (prefill, decode) before timing
         engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
     completions, timings = engine.generate(prompts, params, seed=args.seed)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = generate(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, OutOfBlocksError) as err:
         print(f"compiled-attn: error: {err}", file=sys.stderr)
         return 2
     if args.json:

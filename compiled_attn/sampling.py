@@ -55,8 +55,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     greedy = logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature.clamp_min(1e-6)[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Drop a token when the tokens before it already reach top_p (the first always stays).
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+    # Drop a token when the tokens before it already reach top_p (the first always stays;
+    # top_p = 1 keeps every token even where the float32 cumsum rounds up to 1 early).
+    outside = (sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]) & (top_p[:, None] < 1)
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     noise = torch.empty_like(sorted_probs).exponential_(generator=generator)
     choice = (sorted_probs / noise).argmax(dim=-1, keepdim=True)

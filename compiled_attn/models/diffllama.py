@@ -72,6 +72,11 @@ class DiffLlamaModel(nn.Module):
         self.num_cache_layers = len(owners)
 
     def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None) -> torch.Tensor:
+        if kv_caches is None and self.num_cache_layers < len(self.layers):
+            raise ValueError(
+                "kv_caches=None is not supported with kv_sharing: a sharing layer reads its "
+                "target layer's paged cache; pass kv_caches"
+            )
         x = self.embed_tokens(md.input_ids)
         for layer, index in zip(self.layers, self.cache_index):
             x = layer(x, md, None if kv_caches is None else kv_caches[index])
@@ -108,9 +113,13 @@ class DiffLlamaForCausalLM(nn.Module):
         Args:
             md: the batch (``md.input_ids`` ``[T]``).
             kv_caches: ``num_cache_layers`` ``(key_cache, value_cache)`` pairs, written in
-                place; ``None`` runs every layer as a cache-less varlen attention.
+                place; ``None`` runs every layer as a cache-less varlen attention (models
+                without ``kv_sharing`` only).
             all_logits: logits of every token ``[T, vocab]`` instead of each sequence's
                 last token ``[B, vocab]``.
+
+        Raises:
+            ValueError: ``kv_caches=None`` with ``kv_sharing`` layers.
         """
         hidden = self.model(md, kv_caches)
         if not all_logits:

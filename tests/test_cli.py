@@ -1,0 +1,254 @@
+"""`compiled-attn generate` (eager only; the compiled CLI is tested with the compile tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_attn.cli import main
+from compiled_attn.engine import Engine
+from compiled_attn.models import build_random_model, default_config
+from compiled_attn.sampling import SamplingParams
+from compiled_attn.tokenizer import ByteTokenizer
+
+BASE = ["generate", "--no-compile", "--json"]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main([*BASE, *args]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_prompt_ids_json(capsys):
+    result = run_json(capsys, "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--prompt-ids", "7,8")
+    assert result["model"] == "embedded-default"
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    completions = result["completions"]
+    assert [c["prompt_ids"] for c in completions] == [[1, 2, 3], [7, 8]]
+    for c in completions:
+        assert len(c["generated_ids"]) == 4
+        assert all(0 <= t < 256 for t in c["generated_ids"])
+        assert c["text"] == ByteTokenizer().decode(c["generated_ids"])
+        assert c["finish_reason"] == "length"
+    t = result["timings"]
+    assert t["prefill_tokens"] == 5 and t["decode_tokens"] == 6
+    assert t["prefill_tokens_per_s"] > 0 and t["decode_tokens_per_s"] > 0
+    assert t["load_seconds"] >= 0 and t["compile_seconds"] == 0.0
+    assert result["compile"] is None
+    # The CLI's tokens are the engine's greedy tokens on the embedded model of seed 0.
+    model = build_random_model(default_config(), seed=0)
+    expected, _ = Engine(model, compile=False, max_model_len=64).generate(
+        [[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=4))
+    assert [c["generated_ids"] for c in completions] == [c.output_ids for c in expected]
+
+
+def test_text_prompts_are_utf8_bytes(capsys):
+    result = run_json(capsys, "--max-new-tokens", "2", "--prompt", "héllo", "--prompt", "a b")
+    assert [c["prompt_ids"] for c in result["completions"]] == [list("héllo".encode()), [97, 32, 98]]
+    assert [len(c["generated_ids"]) for c in result["completions"]] == [2, 2]
+
+
+def test_prompt_file(capsys, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("first line\n\n  \nsecond ✓\n", encoding="utf-8")
+    result = run_json(capsys, "--max-new-tokens", "1", "--prompt-file", str(path))
+    assert [c["prompt_ids"] for c in result["completions"]] == [
+        list(b"first line"), list("second ✓".encode())]
+
+
+def test_empty_prompt_file_is_an_error(capsys, tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("\n  \n")
+    assert main([*BASE, "--prompt-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "compiled-attn: error:" in err and "no non-empty line" in err
+
+
+def test_default_prompts(capsys):
+    result = run_json(capsys, "--max-new-tokens", "1")
+    assert [c["prompt_ids"] for c in result["completions"]] == [
+        list(b"The differential transformer"), list(b"Paged attention keeps the KV cache in blocks")]
+
+
+def test_sampling_is_reproducible_with_seed(capsys):
+    prompts = ("--max-new-tokens", "6", "--prompt-ids", "5,6,7", "--prompt-ids", "9")
+
+    def ids(*extra):
+        return [c["generated_ids"] for c in run_json(capsys, *prompts, *extra)["completions"]]
+
+    a = ids("--temperature", "0.8", "--seed", "3")
+    assert a == ids("--temperature", "0.8", "--seed", "3")
+    assert a != ids("--temperature", "0", "--seed", "3")  # same model, greedy
+    assert a != ids("--temperature", "0.8", "--seed", "4")
+
+
+def test_top_p_tiny_is_greedy(capsys):
+    ids = ("--max-new-tokens", "5", "--prompt-ids", "1,2")
+    nucleus = run_json(capsys, *ids, "--temperature", "1.0", "--top-p", "0.000001")
+    greedy = run_json(capsys, *ids)
+    assert nucleus["completions"][0]["generated_ids"] == greedy["completions"][0]["generated_ids"]
+
+
+def save_tiny_hf(path: Path, vocab_size: int = 256) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DiffLlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    transformers.DiffLlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_model_dir_without_tokenizer_decodes_bytes(capsys, tmp_path):
+    save_tiny_hf(tmp_path)
+    result = run_json(capsys, "--model", str(tmp_path), "--max-new-tokens", "3", "--prompt", "hi")
+    assert result["model"] == str(tmp_path)
+    (c,) = result["completions"]
+    assert c["prompt_ids"] == [104, 105]
+    assert len(c["generated_ids"]) == 3
+    assert c["text"] == ByteTokenizer().decode(c["generated_ids"])
+    # Same tokens as the engine on the loaded model.
+    from compiled_attn.models import load_diffllama
+    expected, _ = Engine(load_diffllama(tmp_path), compile=False).generate(
+        [[104, 105]], SamplingParams(max_new_tokens=3))
+    assert c["generated_ids"] == expected[0].output_ids
+
+
+def test_model_dir_with_tokenizer_json(capsys, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    save_tiny_hf(tmp_path, vocab_size=16)
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, **{f"w{i}": i for i in range(3, 16)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    result = run_json(capsys, "--model", str(tmp_path), "--max-new-tokens", "2", "--prompt", "hello world")
+    (c,) = result["completions"]
+    assert c["prompt_ids"] == [1, 2]
+    assert c["text"] == tok.decode(c["generated_ids"])
+
+
+def test_text_output(capsys, tmp_path):
+    save_tiny_hf(tmp_path)
+    assert main(["generate", "--no-compile", "--model", str(tmp_path), "--max-new-tokens", "2",
+                 "--prompt", "ab"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[0] 'ab' -> ") and lines[0].endswith("(2 tokens, length)")
+    assert lines[1].startswith("prefill: 2 tokens, ") and lines[1].endswith(" tokens/s")
+    assert lines[2].startswith("decode:  1 tokens, ") and lines[2].endswith(" tokens/s")
+    assert len(lines) == 3  # no compile line when eager
+
+
+@pytest.mark.parametrize(
+    "setup, match",
+    [
+        ("missing", r"no-model-here has no config\.json"),
+        ("empty", r"has no config\.json"),
+        ("llama", r"model_type='llama'"),
+        ("no-weights", r"model\.safetensors"),
+    ],
+)
+def test_bad_model_dir_exits_2(capsys, tmp_path, setup, match):
+    path = tmp_path / "no-model-here"
+    if setup != "missing":
+        path.mkdir()
+    if setup == "llama":
+        (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if setup == "no-weights":
+        (path / "config.json").write_text(json.dumps({"model_type": "diffllama", "vocab_size": 256,
+                                                      "hidden_size": 64, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 4}))
+    assert main([*BASE, "--model", str(path), "--max-new-tokens", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("compiled-attn: error: ")
+    assert __import__("re").search(match, captured.err), captured.err
+
+
+def test_out_of_vocab_prompt_ids_exit_2(capsys):
+    assert main([*BASE, "--max-new-tokens", "1", "--prompt-ids", "1,300"]) == 2
+    assert r"outside [0, 256)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--block-size", "0"], "block_size must be >= 1"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--top-p", "0"], "top_p must lie in"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--max-new-tokens", "5000"], "exceeds max_model_len=4096"),
+    ],
+)
+def test_bad_values_exit_2(capsys, args, match):
+    assert main([*BASE, "--prompt-ids", "1,2", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("compiled-attn: error: ") and match in captured.err
+
+
+def test_bfloat16(capsys):
+    result = run_json(capsys, "--dtype", "bfloat16", "--max-new-tokens", "3", "--prompt-ids", "1,2")
+    assert result["dtype"] == "bfloat16"
+    assert len(result["completions"][0]["generated_ids"]) == 3
+
+
+def test_too_many_prompts_for_the_cache_is_a_clean_error(capsys, tmp_path):
+    """The engine's cache holds 8 sequences of max_model_len; 9 prompts that each need more
+    than half of it raise OutOfBlocksError, which the CLI should report like its other
+    input errors (exit 2, one line on stderr)."""
+    save_tiny_hf(tmp_path)  # max_position_embeddings=32 -> 16 blocks of 16 tokens
+    capsys.readouterr()  # drop the save's progress bar
+    args = [*BASE, "--model", str(tmp_path), "--max-new-tokens", "2"]
+    for _ in range(9):
+        args += ["--prompt-ids", ",".join(["1"] * 20)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compiled-attn: error: ") and "blocks" in err, err
+
+
+def test_cuda_without_gpu_exits_2(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main([*BASE, "--device", "cuda", "--max-new-tokens", "1"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", ","], "at least one id"),
+        (["--prompt-ids", "1", "--prompt", "hi"], "not allowed with"),
+        (["--temperature", "hot"], "invalid float"),
+        (["--dtype", "float64"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_argparse_errors(capsys, args, match):
+    with pytest.raises(SystemExit) as info:
+        main([*BASE, *args])
+    assert info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_missing_subcommand_is_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+
+
+def test_console_script_subprocess():
+    script = Path(sys.executable).parent / "compiled-attn"
+    assert script.exists(), f"console script not installed next to {sys.executable}"
+    proc = subprocess.run([str(script), "generate", "--no-compile", "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("[0] 'The differential transformer' -> ") and "(2 tokens, length)" in lines[0]
+    assert lines[1].startswith("[1] 'Paged attention keeps the KV cache in blocks' -> ")
+    assert any(line.startswith("prefill: ") and line.endswith("tokens/s") for line in lines)
+    assert any(line.startswith("decode: ") and line.endswith("tokens/s") for line in lines)

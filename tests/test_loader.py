@@ -1,0 +1,242 @@
+"""Checkpoint loading: the head permutation and every error of load_diffllama."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from compiled_attn.metadata import SequenceChunk, build_metadata
+from compiled_attn.models import load_diffllama
+from compiled_attn.models.loader import halves_to_interleaved, load_config
+
+transformers = pytest.importorskip("transformers")
+
+NUM_HEADS, NUM_KV_HEADS = 8, 4
+
+
+def test_halves_to_interleaved_labelled_rows():
+    # 4 heads of head_dim 2; row value = 10 * head + dim. Halves: pair j = heads (j, j + 2).
+    rows = torch.tensor([10 * h + d for h in range(4) for d in range(2)])
+    out = halves_to_interleaved(rows, 4)
+    assert out.tolist() == [0, 1, 20, 21, 10, 11, 30, 31]
+    # 6 heads of dim 1: pairs (0, 3), (1, 4), (2, 5).
+    assert halves_to_interleaved(torch.arange(6), 6).tolist() == [0, 3, 1, 4, 2, 5]
+    # 2 heads: already a single pair, unchanged.
+    assert halves_to_interleaved(torch.arange(6), 2).tolist() == list(range(6))
+
+
+def test_halves_to_interleaved_weight_matrix_keeps_columns():
+    weight = torch.arange(8 * 3).reshape(8, 3)  # 4 heads x dim 2 rows, 3 input features
+    out = halves_to_interleaved(weight, 4)
+    assert out.shape == (8, 3)
+    order = [0, 1, 4, 5, 2, 3, 6, 7]
+    assert torch.equal(out, weight[order])
+
+
+def hf_config(**overrides):
+    values = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+                  max_position_embeddings=32, lambda_std_dev=0.3)
+    values.update(overrides)
+    return transformers.DiffLlamaConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = transformers.DiffLlamaForCausalLM(hf_config()).eval()
+    path = tmp_path_factory.mktemp("diffllama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def ckpt_copy(checkpoint, tmp_path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(path: Path, edit) -> None:
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_load_permutes_qkv_and_keeps_the_rest(checkpoint):
+    hf_state = load_file(checkpoint / "model.safetensors")
+    model = load_diffllama(checkpoint)
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    ours = model.state_dict()
+    assert model.config.num_attention_heads == NUM_HEADS and model.config.head_dim == 8
+    assert model.config.eos_token_ids == frozenset({2})
+    for key, value in hf_state.items():
+        if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            heads = NUM_HEADS if "q_proj" in key else NUM_KV_HEADS
+            expected = halves_to_interleaved(value, heads)
+            if heads > 2:  # with 2 heads (one pair) the two layouts coincide
+                assert not torch.equal(expected, value)
+        else:
+            expected = value
+        assert torch.equal(ours[key], expected), key
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_loaded_model_matches_transformers_logits(checkpoint, tmp_path, bias):
+    """The permutation is the right one: same logits as transformers' DiffLlama."""
+    if bias:  # q/k/v biases are permuted too
+        torch.manual_seed(2)
+        biased = transformers.DiffLlamaForCausalLM(hf_config(attention_bias=True)).eval()
+        with torch.no_grad():
+            for name, param in biased.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.5)
+        biased.save_pretrained(tmp_path)
+        checkpoint = tmp_path
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    model = load_diffllama(checkpoint)
+    ids = [3, 17, 9, 40, 5, 22]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    md = build_metadata([SequenceChunk(ids, 0, [0, 1])], 4, 2)
+    with torch.inference_mode():
+        got = model(md, None, all_logits=True)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_load_bfloat16(checkpoint):
+    model = load_diffllama(checkpoint, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_tied_embeddings(tmp_path):
+    torch.manual_seed(1)
+    transformers.DiffLlamaForCausalLM(hf_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
+    model = load_diffllama(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_missing_directory(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model.*config.json"):
+        load_diffllama(missing)
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        load_diffllama(tmp_path)
+
+
+def test_llama_config_is_rejected(ckpt_copy):
+    edit_config(ckpt_copy, model_type="llama")
+    with pytest.raises(ValueError, match=r"model_type='llama'.*diffllama"):
+        load_diffllama(ckpt_copy)
+    with pytest.raises(ValueError, match="llama"):
+        load_config(ckpt_copy)
+
+
+def test_config_without_model_type_is_rejected(ckpt_copy):
+    edit_config(ckpt_copy, model_type=None)
+    with pytest.raises(ValueError, match="model_type=None"):
+        load_diffllama(ckpt_copy)
+
+
+def test_missing_safetensors(ckpt_copy):
+    (ckpt_copy / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+        load_diffllama(ckpt_copy)
+
+
+def test_sharded_index_with_missing_shard(ckpt_copy):
+    (ckpt_copy / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        load_diffllama(ckpt_copy)
+
+
+def test_sharded_checkpoint_loads(checkpoint, ckpt_copy):
+    state = load_file(ckpt_copy / "model.safetensors")
+    (ckpt_copy / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2:]}
+    weight_map = {}
+    for name, shard_keys in shards.items():
+        save_file({k: state[k] for k in shard_keys}, ckpt_copy / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard_keys})
+    (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded = load_diffllama(ckpt_copy).state_dict()
+    whole = load_diffllama(checkpoint).state_dict()
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+
+def test_missing_tensor_is_listed(ckpt_copy):
+    edit_weights(ckpt_copy, lambda s: s.pop("model.layers.1.self_attn.lambda_k2"))
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.lambda_k2'\]"):
+        load_diffllama(ckpt_copy)
+
+
+def test_extra_tensor_is_listed(ckpt_copy):
+    edit_weights(ckpt_copy, lambda s: s.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8)))
+    with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.0\.self_attn\.rotary_emb\.inv_freq'\]"):
+        load_diffllama(ckpt_copy)
+
+
+def test_missing_lm_head_of_untied_model_is_listed(ckpt_copy):
+    edit_weights(ckpt_copy, lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"missing \['lm_head\.weight'\]"):
+        load_diffllama(ckpt_copy)
+
+
+def test_wrong_shape_is_a_value_error(ckpt_copy):
+    edit_weights(ckpt_copy, lambda s: s.__setitem__("model.norm.weight", torch.ones(32)))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_diffllama(ckpt_copy)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+        {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 5e5},
+    ],
+)
+def test_unsupported_rope_type(ckpt_copy, changes):
+    edit_config(ckpt_copy, **changes)
+    with pytest.raises(ValueError, match=r"rope_type '(linear|yarn|dynamic)' is not supported"):
+        load_diffllama(ckpt_copy)
+
+
+def test_legacy_rope_fields(ckpt_copy):
+    edit_config(ckpt_copy, rope_parameters=None, rope_scaling=None, rope_theta=500000.0)
+    assert load_config(ckpt_copy).rope_theta == 500000.0
+    edit_config(ckpt_copy, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    assert load_config(ckpt_copy).rope_theta == 1234.0
+
+
+@pytest.mark.parametrize("changes, match", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                                            ({"attention_dropout": 0.1}, "attention_dropout")])
+def test_other_unsupported_options(ckpt_copy, changes, match):
+    edit_config(ckpt_copy, **changes)
+    with pytest.raises(ValueError, match=match):
+        load_diffllama(ckpt_copy)
