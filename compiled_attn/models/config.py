@@ -100,10 +100,10 @@ def default_config() -> DiffLlamaConfig:
 
     4 layers, hidden 256, 8 heads of 32 (4 differential pairs), 4 KV heads (GQA 2),
     SwiGLU width 688, 256 byte tokens, no EOS (generation stops at max_new_tokens),
-    weights drawn from a seeded generator (about 2.6 M parameters).
+    untied output head, weights drawn from a seeded generator (about 3.0 M parameters).
     """
     return DiffLlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
     )
