@@ -54,7 +54,7 @@ def _(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
       window_left, window_right, softcap, alibi_slopes):
     check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
                      None, window_left, window_right, softcap, alibi_slopes)
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # the kernels return contiguous tensors
 
 
 @torch.library.custom_op("compiled_attn::differential_paged_attention", mutates_args=())
@@ -97,7 +97,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_ri
       alibi_slopes):
     check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, None, window_left, window_right,
                       softcap, alibi_slopes)
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("compiled_attn::differential_varlen_attention", mutates_args=())

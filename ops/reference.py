@@ -163,8 +163,10 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     """Write ``key/value[t]`` to slot ``slot_mapping[t]`` of the paged caches; skip -1."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size  # works on strided cache views
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

@@ -26,11 +26,28 @@ padding columns holding random *valid* block ids of other sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 PAD_SLOT_ID = -1
+
+__all__ = [
+    "PAD_SLOT_ID", "Pad", "PagedBatch", "VarlenBatch", "alibi_slopes", "make_lambda",
+    "make_paged_batch", "make_varlen_batch", "pad", "randn_nonzero",
+]
+
+
+def _to(obj, device):
+    """A copy of a batch dataclass with every tensor (also in lists) moved to ``device``."""
+    changes = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value.to(device)
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            changes[f.name] = [t.to(device) for t in value]
+    return replace(obj, **changes)
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,10 @@ class PagedBatch:
     def num_blocks(self) -> int:
         return self.key_cache.shape[0]
 
+    def to(self, device) -> "PagedBatch":
+        """The same batch with every tensor on ``device`` (e.g. for GPU kernel tests)."""
+        return _to(self, device)
+
     def attention_args(self) -> tuple[torch.Tensor, ...]:
         """``(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table)``."""
         return (self.query, self.key_cache, self.value_cache, self.cu_seqlens_q, self.seq_lens,
@@ -160,6 +181,10 @@ class VarlenBatch:
     head_size: int
     dtype: torch.dtype
     empty_rows: list[int] = field(default_factory=list)
+
+    def to(self, device) -> "VarlenBatch":
+        """The same batch with every tensor on ``device``."""
+        return _to(self, device)
 
     def attention_args(self) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, cu_seqlens_q, cu_seqlens_k)``."""

@@ -145,3 +145,59 @@ def test_opcheck_swap_blocks(src_blocks, dst_blocks, dtype):
     ops.swap_blocks.default(src, dst, mapping)
     assert torch.equal(dst[dst_blocks - 1], src[0]) and torch.equal(dst[0], src[src_blocks - 1])
     torch.library.opcheck(ops.swap_blocks.default, (src, dst, mapping))
+
+
+# --- inputs that are not contiguous ----------------------------------------------------------
+# The fake output must have the real output's strides. A query that is dense but not
+# contiguous (e.g. ``x.transpose(0, 1)`` of a head-major ``[H, T, D]`` tensor) and a query
+# that is a slice of a fused qkv projection are both legal inputs.
+
+
+def _permuted(t: torch.Tensor) -> torch.Tensor:
+    """Same values, dense, strides of a transposed ``[H, T, D]`` tensor."""
+    out = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(out, t) and not out.is_contiguous()
+    return out
+
+
+def _qkv_slice(t: torch.Tensor) -> torch.Tensor:
+    """Same values, a non-dense view (component 0 of a fused ``[T, 3, H, D]``)."""
+    fused = torch.stack([t, torch.zeros_like(t), torch.zeros_like(t)], dim=1)
+    out = fused[:, 0]
+    assert torch.equal(out, t) and not out.is_contiguous()
+    return out
+
+
+LAYOUTS = {"permuted_query": _permuted, "qkv_slice_query": _qkv_slice}
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_opcheck_paged_attention_noncontiguous_query(layout, differential):
+    query, *rest = _paged_args([(0, 5), (7, 2), (9, 1)], 16, 4, 2, 16, torch.float32, 5)
+    query = LAYOUTS[layout](query)
+    options = _options((0.25, True, -1, -1, 0.0, False), 4)
+    if differential:
+        op, args = ops.differential_paged_attention.default, (query, *rest, make_lambda(4, True), *options)
+    else:
+        op, args = ops.paged_attention.default, (query, *rest, *options)
+    expected = op(query.contiguous(), *args[1:])
+    assert torch.equal(op(*args), expected)
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_opcheck_varlen_attention_noncontiguous_q(layout, differential):
+    b = make_varlen_batch([5, 1, 7], None, num_heads=4, num_kv_heads=2, head_size=16, seed=6)
+    q = LAYOUTS[layout](b.q)
+    k, v = _qkv_slice(b.k), _qkv_slice(b.v)
+    options = _options((0.25, True, -1, -1, 0.0, False), 4)
+    if differential:
+        op, args = ops.differential_varlen_attention.default, (q, k, v, b.cu_seqlens_q, b.cu_seqlens_k,
+                                                               make_lambda(4, False), *options)
+    else:
+        op, args = ops.varlen_attention.default, (q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, *options)
+    expected = op(b.q, b.k, b.v, *args[3:])
+    assert torch.equal(op(*args), expected)
+    torch.library.opcheck(op, args)

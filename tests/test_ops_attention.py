@@ -153,6 +153,57 @@ def test_batch_helper_cache_holds_each_sequence():
     assert batch.pad_rows == [7, 17, 18, 20]
     assert (batch.slot_mapping[batch.pad_rows] == -1).all()
     assert batch.cu_seqlens_q.tolist()[-1] == batch.query.shape[0] == batch.key.shape[0]
+    moved = batch.to("cpu")
+    assert torch.equal(moved.key_cache, batch.key_cache) and torch.equal(moved.keys[2], batch.keys[2])
+
+
+def test_oracle_itself_on_hand_computed_cases():
+    """Pin the oracle's conventions with values computed by hand."""
+    from oracle import oracle_attention, oracle_differential, visibility_mask
+
+    # bottom-right causal alignment: 2 queries, 4 keys -> query 0 sits at key 2
+    assert visibility_mask(2, 4, True, (-1, -1)) == [[True, True, True, False], [True] * 4]
+    # window (1, 1), non-causal, q_len == k_len == 3
+    assert visibility_mask(3, 3, False, (1, 1)) == [[True, True, False], [True, True, True],
+                                                    [False, True, True]]
+    # causal with q_len > k_len: the first query sees nothing
+    assert visibility_mask(3, 2, True, (-1, -1)) == [[False, False], [True, False], [True, True]]
+    # one query, two keys with scores 0 and log(3) -> weights 1/4, 3/4
+    q = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
+    k = torch.tensor([[[0.0, 0.0]], [[torch.log(torch.tensor(3.0)).item(), 0.0]]], dtype=torch.float64)
+    v = torch.tensor([[[4.0, 0.0]], [[0.0, 8.0]]], dtype=torch.float64)
+    out = oracle_attention(q, k, v, scale=1.0, causal=False)
+    torch.testing.assert_close(out, torch.tensor([[[1.0, 6.0]]], dtype=torch.float64))
+    # ALiBi (slope ln 3): key 0 (score ln 3) is at distance 1, key 1 (score 0) at distance 0
+    # -> both end at 0 -> equal weights
+    out = oracle_attention(q, k.flip(0), v, 1.0, causal=True, alibi_slopes=torch.tensor([torch.log(torch.tensor(3.0)).item()]))
+    torch.testing.assert_close(out, torch.tensor([[[2.0, 4.0]]], dtype=torch.float64))
+    # softcap: score log(3) capped to c * tanh(log(3) / c)
+    c = 0.5
+    capped = c * torch.tanh(torch.log(torch.tensor(3.0, dtype=torch.float64)) / c)
+    w1 = torch.exp(capped) / (1 + torch.exp(capped))
+    out = oracle_attention(q, k, v, 1.0, causal=False, softcap=c)
+    torch.testing.assert_close(out[0, 0], torch.stack([4 * (1 - w1), 8 * w1]))
+    # differential: pair (q1, q2) over keys (k1, k2) and V = [v1, v2]; lambda 0.5
+    qd = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]], dtype=torch.float64)      # q1 peaks, q2 uniform
+    kd = torch.stack([torch.tensor([[0.0, 0.0], [0.0, 0.0]]),
+                      torch.tensor([[torch.log(torch.tensor(3.0)).item(), 0.0], [5.0, 5.0]])]).double()
+    vd = torch.stack([torch.tensor([[1.0, 0.0], [0.0, 2.0]]),
+                      torch.tensor([[3.0, 0.0], [0.0, 4.0]])]).double()
+    out = oracle_differential(qd, kd, vd, 0.5, scale=1.0, causal=False)
+    v_cat = torch.tensor([[1.0, 0.0, 0.0, 2.0], [3.0, 0.0, 0.0, 4.0]], dtype=torch.float64)
+    a1 = torch.tensor([0.25, 0.75], dtype=torch.float64) @ v_cat
+    a2 = torch.tensor([0.5, 0.5], dtype=torch.float64) @ v_cat
+    torch.testing.assert_close(out[0, 0], a1 - 0.5 * a2)
+
+
+def test_paged_block_table_exactly_full():
+    """The longest sequence uses every block_table column (no padding columns)."""
+    batch = make_paged_batch([(63, 1), (30, 2), (0, 64)], block_size=16, num_heads=4,
+                             num_kv_heads=2, head_size=16, extra_columns=0, seed=13)
+    assert batch.block_table.shape[1] * 16 == 64
+    _check_paged(batch)
+    _check_paged(batch, "causal", make_lambda(4, per_pair=True))
 
 
 # --- paged, plain --------------------------------------------------------------------------
@@ -363,3 +414,45 @@ def test_differential_varlen_options(option, layout, dtype, per_pair):
 def test_differential_varlen_gqa(heads, dtype, per_pair):
     batch = _varlen_batch("self", *heads, 16, dtype, _seed("dvgqa", heads, dtype, per_pair))
     _check_varlen(batch, "alibi", make_lambda(heads[0], per_pair, seed=3))
+
+
+# --- degenerate batches and strided inputs ---------------------------------------------------
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_empty_batches(differential):
+    """Zero sequences / zero tokens: empty output of the right shape, no error."""
+    lam = torch.tensor(0.5) if differential else None
+    width = 32 if differential else 16
+    pb = make_paged_batch([], block_size=16, num_heads=4, num_kv_heads=2, head_size=16, seed=0)
+    assert pb.query.shape[0] == 0 and pb.cu_seqlens_q.tolist() == [0]
+    out = paged_attention(*pb.attention_args(), lam)
+    assert out.shape == (0, 2 if differential else 4, width) and out.dtype == torch.float32
+    vb = make_varlen_batch([], [], num_heads=4, num_kv_heads=2, head_size=16, seed=0)
+    out = varlen_attention(*vb.attention_args(), lam)
+    assert out.shape == (0, 2 if differential else 4, width)
+    # sequences present, but none has a query this step
+    pb = make_paged_batch([(7, 0), (20, 0)], block_size=16, num_heads=4, num_kv_heads=2,
+                          head_size=16, seed=1)
+    out = paged_attention(*pb.attention_args(), lam)
+    assert out.shape[0] == 0
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_varlen_fused_qkv_views(differential):
+    """q/k/v as strided views of one fused projection (the training / prefill layout)."""
+    g = torch.Generator().manual_seed(31)
+    num_heads, num_kv_heads, head_size = 4, 2, 16
+    q_lens = [9, 1, 14]
+    total = sum(q_lens)
+    fused = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_size, generator=g)
+    q, k, v = fused.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    q = q.view(total, num_heads, head_size)
+    k = k.view(total, num_kv_heads, head_size)
+    v = v.view(total, num_kv_heads, head_size)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cu = torch.tensor([0, 9, 10, 24], dtype=torch.int32)
+    lam = make_lambda(num_heads, per_pair=True) if differential else None
+    out = varlen_attention(q, k, v, cu, cu, lam, alibi_slopes=alibi_slopes(num_heads))
+    expected = oracle_varlen(q, k, v, cu, cu, alibi_slopes=alibi_slopes(num_heads), lambda_full=lam)
+    assert_close_to_oracle(out, expected, torch.float32)

@@ -189,3 +189,29 @@ def test_swap_blocks_rejects_mismatch():
         swap_blocks(src, _cache(4, 32, 2, 16, torch.float32, g), torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match="block_mapping"):
         swap_blocks(src, _cache(2, 16, 2, 16, torch.float32, g), torch.tensor([[3, 2]]))
+
+
+def test_reshape_and_cache_strided_cache_view():
+    """K and V halves of one combined ``[num_blocks, 2, block_size, Hkv, D]`` allocation are
+    valid ``[num_blocks, block_size, Hkv, D]`` caches (paged_attention reads them). Writing
+    them must either land in exactly the right slots or be refused up front with a
+    ValueError naming the cache -- not crash inside the kernel (nor write to a copy)."""
+    g = torch.Generator().manual_seed(6)
+    kv = randn_nonzero((4, 2, 16, 2, 16), torch.float32, g)
+    key_cache, value_cache = kv[:, 0], kv[:, 1]
+    assert not key_cache.is_contiguous()
+    before = kv.clone()
+    key = randn_nonzero((3, 2, 16), torch.float32, g)
+    value = randn_nonzero((3, 2, 16), torch.float32, g)
+    slots = torch.tensor([0, 17, 63], dtype=torch.int64)
+    try:
+        reshape_and_cache(key, value, key_cache, value_cache, slots)
+    except ValueError as e:
+        assert "key_cache" in str(e) or "contiguous" in str(e)
+        assert torch.equal(kv, before)
+        return
+    expected = before.clone()
+    for t, s in enumerate(slots.tolist()):
+        expected[s // 16, 0, s % 16] = key[t]
+        expected[s // 16, 1, s % 16] = value[t]
+    assert torch.equal(kv, expected)

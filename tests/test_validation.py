@@ -322,3 +322,23 @@ def test_fake_impl_rejects_bad_dtype_at_trace_time():
         fake = [mode.from_tensor(t) for t in args.values()]
         with pytest.raises(TypeError, match="block_table"):
             torch.ops.compiled_attn.paged_attention.default(*fake, 0.25, True, -1, -1, 0.0, None)
+
+
+@pytest.mark.parametrize("head_size", [8, 256])
+def test_head_size_bounds_accepted(head_size):
+    b = make_paged_batch([(3, 2), (0, 1)], block_size=16, num_heads=2, num_kv_heads=2,
+                         head_size=head_size, seed=head_size)
+    out = paged_attention(*b.attention_args(), torch.tensor(0.5))
+    assert out.shape == (3, 1, 2 * head_size) and bool(torch.isfinite(out).all())
+
+
+def test_padded_row_block_table_not_validated():
+    """A padded row (seq_len 0) may carry any block ids; it reads none and returns zeros."""
+    from paged_batches import pad
+
+    b = make_paged_batch([(5, 2), pad(1)], block_size=16, num_heads=2, num_kv_heads=2,
+                         head_size=16, seed=4)
+    table = b.block_table.clone()
+    table[1] = -1
+    out = paged_attention(b.query, b.key_cache, b.value_cache, b.cu_seqlens_q, b.seq_lens, table)
+    assert bool((out[2] == 0).all()) and bool(torch.isfinite(out).all())
