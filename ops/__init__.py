@@ -11,14 +11,17 @@ op                              semantics
 ``varlen_attention``            ``flash_attn_varlen_func`` over contiguous k/v
 ``differential_varlen_attention``  fused differential attention over contiguous k/v
 ``copy_blocks`` / ``swap_blocks``  block copy-on-write / GPU<->CPU swap
+``varlen_attention_backward``   gradients of both varlen ops (they support autograd)
 ==============================  ============================================================
 
 Call them through the functions exported here (defaults, eager validation) or as
 ``torch.ops.compiled_attn.<name>``.
 """
 
+from . import attention_backward  # noqa: F401  (autograd of the varlen ops)
 from .attention import paged_attention, varlen_attention
 from .cache import PAD_SLOT_ID, copy_blocks, reshape_and_cache, swap_blocks
+from . import backends  # noqa: F401  (registers the Triton CUDA kernels when available)
 
 __all__ = [
     "PAD_SLOT_ID",
