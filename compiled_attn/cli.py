@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed of the default model)")
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
+    gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA-graph replay (cuda only)")
+    gen.add_argument("--max-batch-size", type=int, default=128,
+                     help="most sequences decoding at once, also the largest captured graph")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -84,11 +87,13 @@ def generate(args) -> dict:
     tokenizer = load_tokenizer(args.model)
     prompts = _read_prompts(args, tokenizer)
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
-    engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile)
-    if not args.no_compile:  # compile both graphs (prefill, decode) before timing
+    engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile,
+                    max_num_seqs=args.max_batch_size,
+                    cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs)
+    if not args.no_compile or engine.cuda_graphs:  # compile and capture before timing
         engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
     completions, timings = engine.generate(prompts, params, seed=args.seed)
-    stats = engine.compile_stats
+    stats, capture = engine.compile_stats, engine.capture_stats
     return {
         "model": str(args.model) if args.model else "embedded-default",
         "device": args.device,
@@ -113,6 +118,11 @@ def generate(args) -> dict:
             "graph_breaks": stats.graph_breaks,
             "recompiles": stats.recompiles,
         },
+        "cuda_graphs": None if capture is None else {
+            "captured_sizes": capture.sizes,
+            "capture_seconds": capture.seconds,
+            "graph_memory_bytes": capture.memory_bytes,
+        },
     }
 
 
@@ -126,6 +136,10 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
         c = result["compile"]
         print(f"compile: {t['compile_seconds']:.1f} s, {c['graphs_compiled']} graphs, "
               f"{c['graph_breaks']} graph breaks, {c['recompiles']} recompiles")
+    if result["cuda_graphs"] is not None:
+        g = result["cuda_graphs"]
+        print(f"cuda graphs: {len(g['captured_sizes'])} sizes up to {max(g['captured_sizes'])}, "
+              f"captured in {g['capture_seconds']:.1f} s, {g['graph_memory_bytes'] / 2**20:.0f} MiB")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,12 @@
 """Token sampling: greedy, temperature and nucleus (top-p, Holtzman et al., arXiv 1904.09751).
 
-Per-request parameters are tensors and there is no data-dependent control flow, so the
-same function can run eagerly, compiled, or inside a captured graph.
+Randomness is *counter-based*: the Exp(1) noise of token ``v`` for a row is a hash of
+(the request's ``seed``, the ``position`` being sampled, ``v``) (MurmurHash3's 32-bit
+finalizer on int64 tensors, no overflow). So a request's tokens depend only on its own
+seed and logits, not on the batch it shares, the padding of a captured CUDA graph, or
+whether the step ran eagerly, compiled or replayed; and there is no generator state to
+register with a graph. Parameters are per-row tensors and there is no data-dependent
+control flow, so the function runs the same eagerly, compiled and inside a captured graph.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,8 @@ class SamplingParams:
         top_p: keep the smallest set of most likely tokens whose probability reaches
             ``top_p`` (1.0 keeps all).
         max_new_tokens: stop after this many generated tokens.
+        seed: the request's random seed; ``None`` lets the engine derive one from its
+            own seed and the request's index.
 
     Raises:
         ValueError: negative temperature, ``top_p`` outside ``(0, 1]``, ``max_new_tokens < 1``.
@@ -28,6 +37,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 32
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,15 +48,46 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``0 <= x, c < 2**32`` in int64, never overflowing."""
+    low = (x & 0xFFFF) * c
+    high = ((x >> 16) * c) & 0xFFFF
+    return (low + (high << 16)) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finalizer: a bijection of 32-bit values with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, vocab_size]`` float32 Exp(1) draws keyed by ``(seeds[b], positions[b], v)``.
+
+    Args:
+        seeds, positions: ``[B]`` int64 (any values; reduced mod ``2**32``).
+    """
+    row = _fmix32(_fmix32(seeds & _MASK32) ^ (positions & _MASK32))
+    column = _mul32(torch.arange(vocab_size, device=seeds.device), 0x9E3779B1)
+    bits = _fmix32(_fmix32(row[:, None] ^ column))
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Pick one token per row.
 
     Args:
         logits: ``[B, vocab]`` float32.
         temperature: ``[B]`` float32; rows with 0 take the argmax.
         top_p: ``[B]`` float32 in ``(0, 1]``.
-        generator: source of randomness (seeded by the caller for reproducibility).
+        seeds: ``[B]`` int64 per-request seeds.
+        positions: ``[B]`` int64 position of the token being sampled (a fresh draw per
+            step of a request).
 
     Returns:
         ``[B]`` int64 token ids. Sampling uses the exponential-race form of
@@ -54,12 +95,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     """
     greedy = logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature.clamp_min(1e-6)[:, None], dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Drop a token when the tokens before it already reach top_p (the first always stays;
-    # top_p = 1 keeps every token even where the float32 cumsum rounds up to 1 early).
-    outside = (sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    noise = torch.empty_like(sorted_probs).exponential_(generator=generator)
-    choice = (sorted_probs / noise).argmax(dim=-1, keepdim=True)
-    sampled = order.gather(-1, choice).squeeze(-1)
+    # Drop a token when the more likely tokens already reach top_p (the most likely one
+    # always stays; top_p = 1 keeps all even where a float32 cumsum rounds to 1 early).
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
+    cutoff = torch.where(cumulative < top_p[:, None], sorted_probs, 2.0).amin(dim=-1, keepdim=True)
+    keep = (probs >= cutoff) | (top_p[:, None] >= 1)
+    noise = exponential_noise(seeds, positions, logits.shape[-1])
+    sampled = torch.where(keep, probs / noise, -1.0).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)

@@ -197,18 +197,24 @@ def test_bfloat16(capsys):
     assert len(result["completions"][0]["generated_ids"]) == 3
 
 
-def test_too_many_prompts_for_the_cache_is_a_clean_error(capsys, tmp_path):
-    """The engine's cache holds 8 sequences of max_model_len; 9 prompts that each need more
-    than half of it raise OutOfBlocksError, which the CLI should report like its other
-    input errors (exit 2, one line on stderr)."""
+def test_a_prompt_that_cannot_fit_the_cache_is_a_clean_error(capsys):
+    """A request needing more blocks than the whole cache: exit 2, one line on stderr."""
+    args = [*BASE, "--num-blocks", "1", "--max-new-tokens", "2", "--prompt-ids", ",".join(["1"] * 20)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compiled-attn: error: ") and "needs 2 blocks of 16" in err, err
+
+
+def test_more_prompts_than_the_cache_holds_at_once_run_in_turn(capsys, tmp_path):
+    """The cache holds 8 sequences of max_model_len; 9 long prompts still all complete."""
     save_tiny_hf(tmp_path)  # max_position_embeddings=32 -> 16 blocks of 16 tokens
     capsys.readouterr()  # drop the save's progress bar
     args = [*BASE, "--model", str(tmp_path), "--max-new-tokens", "2"]
     for _ in range(9):
         args += ["--prompt-ids", ",".join(["1"] * 20)]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("compiled-attn: error: ") and "blocks" in err, err
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [len(c["generated_ids"]) for c in result["completions"]] == [2] * 9
 
 
 def test_cuda_without_gpu_exits_2(capsys):

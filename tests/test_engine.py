@@ -161,22 +161,25 @@ def test_blocks_return_when_forward_raises(model):
     assert all(len(c.output_ids) == 2 for c in completions)
 
 
-def test_out_of_blocks_for_a_tiny_cache(model):
-    engine = make_engine(model, num_blocks=2)
-    with pytest.raises(OutOfBlocksError, match="only 0 of 2 are free|only 1 of 2 are free"):
-        engine.generate([[1] * 5, [2] * 3], greedy(2))  # needs 2 + 1 blocks
+def test_a_request_that_can_never_fit_the_cache_is_refused(model):
+    engine = make_engine(model, num_blocks=2)  # 2 blocks of 4 tokens
+    # 9 prompt + 2 new tokens (+1 slot for the on-device advance) need 3 blocks.
+    with pytest.raises(OutOfBlocksError, match="needs 3 blocks of 4.*only 2 in all"):
+        engine.generate([[1] * 2, [1] * 9], greedy(2))
     assert engine.kv_cache.allocator.num_free_blocks == 2
+    assert not engine.has_unfinished()
 
 
-def test_out_of_blocks_while_decoding_frees_everything(model):
+def test_requests_that_fit_alone_but_not_together_wait_their_turn(model):
     engine = make_engine(model, num_blocks=2)
-    # Both prompts fit one block each; the first decode past position 3 needs a third block.
-    with pytest.raises(OutOfBlocksError):
-        engine.generate([[1, 2, 3, 4], [5, 6, 7, 8]], greedy(4))
+    # Each needs both blocks (4 + 3 + 1 slots): the second waits for the first to finish.
+    completions, timings = engine.generate([[1, 2, 3, 4], [5, 6, 7, 8]], greedy(3))
+    assert [len(c.output_ids) for c in completions] == [3, 3]
+    assert timings.decode_steps == 4  # two decode steps each, one request at a time
     assert engine.kv_cache.allocator.num_free_blocks == 2
-    # A finished sequence's blocks are reused by the others in the same generate call.
-    completions, _ = engine.generate([[1, 2, 3], [5, 6, 7]], [greedy(1), greedy(5)])
-    assert [len(c.output_ids) for c in completions] == [1, 5]
+    for prompt, c in zip([[1, 2, 3, 4], [5, 6, 7, 8]], completions):
+        (alone,), _ = make_engine(model).generate([prompt], greedy(3))
+        assert alone.output_ids == c.output_ids
 
 
 def test_batched_greedy_equals_each_prompt_alone(model):
@@ -244,7 +247,8 @@ def record_steps(engine: Engine, model):
 
     def recording(md, kv_caches, all_logits=False):
         logits = model(md, kv_caches, all_logits)
-        steps.append((md, logits.clone()))
+        # Decode metadata are views of static buffers that the step advances: snapshot them.
+        steps.append((torch.utils._pytree.tree_map(torch.clone, md), logits.clone()))
         return logits
 
     engine.forward = recording
@@ -288,7 +292,7 @@ def test_paged_decode_matches_full_recompute(config):
         active = [i for i, m in enumerate(lengths) if m > n]
         assert logits.shape == (len(active), config.vocab_size)
         if n > 0:
-            assert md.prefill_only is False and md.query_lens == (1,) * len(active)
+            assert md.prefill_only is False and md.cu_seqlens_q.tolist() == list(range(len(active) + 1))
         for row, i in enumerate(active):
             position = len(prompts[i]) + n - 1
             torch.testing.assert_close(logits[row], reference[i][position], atol=1e-5, rtol=1e-5,

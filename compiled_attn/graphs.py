@@ -1,0 +1,220 @@
+"""Decode steps as captured CUDA graphs: static buffers, padding, capture and replay.
+
+A decode step (forward + sampling + advancing the metadata to the next token) is one
+function of static buffers (:class:`DecodeBuffers`) sized for the largest batch. For each
+capture size ``n`` the step over the first ``n`` rows is captured once (largest first,
+into one shared memory pool, after warm-up runs that keep Triton autotuning and
+compilation out of the graph). A real batch of ``b`` rows replays the graph of the
+smallest size ``n >= b``; rows ``b .. n-1`` are padding with kernel-safe values
+(``seq_len`` 0, slot ``PAD_SLOT_ID``, block 0, greedy), which attend to nothing, write
+nothing and produce zeros, never NaN. Without graphs (CPU, batches above the largest
+size) the same step function runs directly on ``b`` rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .metadata import AttentionMetadata
+from .ops import PAD_SLOT_ID
+from .sampling import sample
+
+
+def default_capture_sizes(max_batch_size: int = 256) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to ``max_batch_size`` (included), as vLLM."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 8))
+    return sorted(set(sizes) | {max_batch_size})
+
+
+@dataclass
+class DecodeRow:
+    """Host description of one decode row: the last token and where the next one goes.
+
+    Attributes:
+        token_id: the token to feed (last sampled one).
+        position: its position (``seq_len - 1``).
+        block_table: the sequence's block ids, covering ``position`` (and ``position + 1``
+            so that the on-device advance can address the next slot).
+        temperature, top_p, seed: the request's sampling parameters.
+    """
+
+    token_id: int
+    position: int
+    block_table: Sequence[int]
+    temperature: float
+    top_p: float
+    seed: int
+
+
+class DecodeBuffers:
+    """Static device buffers of the decode batch, at the largest size.
+
+    Args:
+        max_rows: rows of the largest batch.
+        max_blocks_per_seq: ``block_table`` width.
+        block_size: tokens per block.
+        device: where the buffers live.
+    """
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device) -> None:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.block_size = block_size
+        self.input_ids = zeros(max_rows)
+        self.positions = zeros(max_rows)
+        self.slot_mapping = torch.full((max_rows,), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token each
+        self.seq_lens = zeros(max_rows, dtype=torch.int32)
+        self.block_table = zeros(max_rows, max_blocks_per_seq, dtype=torch.int32)
+        self.temperature = zeros(max_rows, dtype=torch.float32)
+        self.top_p = torch.ones(max_rows, device=device)
+        self.seeds = zeros(max_rows)
+
+    @property
+    def max_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def metadata(self, rows: int) -> AttentionMetadata:
+        """Views of the first ``rows`` rows as a decode batch."""
+        return AttentionMetadata(
+            self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+            self.cu_seqlens_q[: rows + 1], self.seq_lens[:rows], self.block_table[:rows],
+        )
+
+    def write(self, rows: Sequence[DecodeRow], size: int) -> None:
+        """Copy ``rows`` into the buffers and pad up to ``size`` rows with safe values.
+
+        Raises:
+            ValueError: more rows than ``size`` or ``size`` above the buffers.
+        """
+        if not len(rows) <= size <= self.max_rows:
+            raise ValueError(f"need len(rows) <= size <= {self.max_rows}, got {len(rows)} rows, size {size}")
+        pad = size - len(rows)
+        width = self.block_table.shape[1]
+        bs = self.block_size
+        host = {
+            "input_ids": [r.token_id for r in rows] + [0] * pad,
+            "positions": [r.position for r in rows] + [0] * pad,
+            "slot_mapping": [r.block_table[r.position // bs] * bs + r.position % bs for r in rows]
+            + [PAD_SLOT_ID] * pad,
+            "seq_lens": [r.position + 1 for r in rows] + [0] * pad,
+            "block_table": [list(r.block_table) + [0] * (width - len(r.block_table)) for r in rows]
+            + [[0] * width] * pad,
+            "temperature": [r.temperature for r in rows] + [0.0] * pad,
+            "top_p": [r.top_p for r in rows] + [1.0] * pad,
+            "seeds": [r.seed for r in rows] + [0] * pad,
+        }
+        for name, values in host.items():
+            buffer = getattr(self, name)
+            buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+
+    def set_block(self, row: int, index: int, block_id: int) -> None:
+        """Write one new block id (a sequence crossed into a new block)."""
+        self.block_table[row, index] = block_id
+
+
+def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> None:
+    """Move a decode batch to its next token in place, on the device.
+
+    The sampled ``tokens`` become ``input_ids``; live rows (``seq_lens > 0``) step their
+    position and length and get the slot of the new position from ``block_table``;
+    padding rows stay at length 0 and slot ``PAD_SLOT_ID``.
+    """
+    live = md.seq_lens > 0
+    md.input_ids.copy_(tokens)
+    md.positions.add_(live.long())
+    md.seq_lens.add_(live.int())
+    column = (md.positions // block_size).clamp_max(md.block_table.shape[1] - 1)
+    block = md.block_table.gather(1, column[:, None]).squeeze(1).long()
+    md.slot_mapping.copy_(torch.where(live, block * block_size + md.positions % block_size, PAD_SLOT_ID))
+
+
+def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int) -> torch.Tensor:
+    """Forward, sample and advance the first ``rows`` rows; returns ``[rows]`` int64 tokens."""
+    md = buffers.metadata(rows)
+    logits = forward(md, kv_caches)
+    tokens = sample(logits, buffers.temperature[:rows], buffers.top_p[:rows], buffers.seeds[:rows],
+                    md.positions + 1)
+    advance(md, tokens, buffers.block_size)
+    return tokens
+
+
+@dataclass
+class CaptureStats:
+    """What capturing cost: sizes captured, wall seconds, device memory of the graphs (bytes)."""
+
+    sizes: list[int]
+    seconds: float
+    memory_bytes: int
+
+
+class CUDAGraphRunner:
+    """Captures ``step(rows)`` once per size and replays the smallest fitting graph.
+
+    Args:
+        step: runs one decode step over the first ``rows`` static rows and returns a
+            tensor (the sampled tokens); called for warm-up and inside the capture.
+        sizes: capture sizes (batch rows).
+        warmup_steps: eager calls per size before its capture.
+    """
+
+    def __init__(self, step: Callable[[int], torch.Tensor], sizes: Sequence[int], warmup_steps: int = 2) -> None:
+        self.step = step
+        self.sizes = sorted(set(sizes))
+        self.warmup_steps = warmup_steps
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, rows: int) -> int | None:
+        """Smallest capture size ``>= rows``; ``None`` when ``rows`` exceeds the largest."""
+        i = bisect.bisect_left(self.sizes, rows)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def capture(self) -> CaptureStats:
+        """Capture every size, largest first, into one memory pool.
+
+        Raises:
+            RuntimeError: a capture failed (typically out of memory); the message names
+                the size and what to lower.
+        """
+        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            try:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(self.warmup_steps):
+                        self.step(size)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self.step(size)
+            except torch.OutOfMemoryError as err:
+                raise RuntimeError(
+                    f"CUDA-graph capture of batch size {size} ran out of memory; lower the largest "
+                    f"capture size (max_batch_size), the KV-cache blocks, or turn graphs off"
+                ) from err
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+        return CaptureStats(list(self.sizes), time.perf_counter() - start,
+                            torch.cuda.memory_reserved() - before)
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size``; returns a copy of its output (the static output
+        is overwritten by the next replay)."""
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out.clone()
