@@ -19,6 +19,7 @@ import torch
 from .engine import Engine
 from .kv_cache import OutOfBlocksError
 from .models import build_random_model, default_config, load_diffllama
+from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: 8 sequences of max length)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument("--profile", type=Path, metavar="DIR",
+                     help="write a torch.profiler trace of the timed run to DIR (TensorBoard/Perfetto)")
+    gen.add_argument("--profile-steps", type=int, default=8, help="engine steps to record with --profile")
+    gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
+                     help="with --profile on cuda: write a CUDA memory snapshot to FILE")
     return parser
 
 
@@ -92,7 +98,17 @@ def generate(args) -> dict:
                     cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs)
     if not args.no_compile or engine.cuda_graphs:  # compile and capture before timing
         engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
-    completions, timings = engine.generate(prompts, params, seed=args.seed)
+    if args.profile is None:
+        if args.memory_snapshot is not None:
+            raise ValueError("--memory-snapshot needs --profile DIR")
+        completions, timings = engine.generate(prompts, params, seed=args.seed)
+        profile = None
+    else:
+        profiler = StepProfiler(args.profile, active=args.profile_steps, memory_snapshot=args.memory_snapshot)
+        with profiler:
+            completions, timings = engine.generate(prompts, params, seed=args.seed, on_step=profiler.step)
+        trace = profiler.trace_files()[-1]
+        profile = {"trace": str(trace), "summary": summarize_trace(trace)}
     stats, capture = engine.compile_stats, engine.capture_stats
     return {
         "model": str(args.model) if args.model else "embedded-default",
@@ -118,6 +134,13 @@ def generate(args) -> dict:
             "graph_breaks": stats.graph_breaks,
             "recompiles": stats.recompiles,
         },
+        "profile": None if profile is None else {
+            "trace": profile["trace"],
+            "phase_shares": profile["summary"].shares(),
+            "top_cpu_ops": profile["summary"].cpu_ops[:10],
+            "top_kernels": profile["summary"].kernels[:10],
+            "report": profile["summary"].format(),
+        },
         "cuda_graphs": None if capture is None else {
             "captured_sizes": capture.sizes,
             "capture_seconds": capture.seconds,
@@ -136,6 +159,9 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
         c = result["compile"]
         print(f"compile: {t['compile_seconds']:.1f} s, {c['graphs_compiled']} graphs, "
               f"{c['graph_breaks']} graph breaks, {c['recompiles']} recompiles")
+    if result["profile"] is not None:
+        print(f"trace: {result['profile']['trace']}")
+        print(result["profile"]["report"])
     if result["cuda_graphs"] is not None:
         g = result["cuda_graphs"]
         print(f"cuda graphs: {len(g['captured_sizes'])} sizes up to {max(g['captured_sizes'])}, "

@@ -15,7 +15,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -215,6 +215,9 @@ class Engine:
             self.timings.prefill_tokens += sum(len(r.prompt_ids) for r in admitted)
             self.timings.prefill_seconds += time.perf_counter() - start
         elif self.running:
+            if self.cuda_graphs and self.graph_runner is None:
+                self.capture()
+                start = time.perf_counter()
             with record_function("decode_step"):
                 tokens = self._decode(self.running)
             batch = list(self.running)
@@ -274,14 +277,11 @@ class Engine:
 
     def _graph_size(self, rows: int) -> int | None:
         """The capture size this batch replays, or ``None`` to run without graphs."""
-        if not self.cuda_graphs:
-            return None
-        if self.graph_runner is None:
-            self.capture()
-        return self.graph_runner.padded_size(rows)
+        return self.graph_runner.padded_size(rows) if self.cuda_graphs else None
 
     def capture(self) -> CaptureStats:
-        """Capture the decode step for every capture size (done once, on first decode)."""
+        """Capture the decode step for every capture size (done once, before the first
+        decode step; it compiles the decode graph first when compiling)."""
         def step(rows: int) -> torch.Tensor:
             return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows)
 
@@ -305,7 +305,7 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 seed: int = 0) -> tuple[list[Request], Timings]:
+                 seed: int = 0, on_step: Callable[[], None] | None = None) -> tuple[list[Request], Timings]:
         """Generate a completion for every prompt (continuous batching until all finish).
 
         Args:
@@ -313,6 +313,7 @@ class Engine:
             params: one :class:`SamplingParams` for all prompts or one per prompt.
             seed: request ``i`` draws with seed ``seed * 1_000_003 + i`` unless its params
                 carry a seed (same seed, same tokens; independent of batching).
+            on_step: called after every step (e.g. :meth:`StepProfiler.step`).
 
         Returns:
             The finished requests in prompt order, and the timings of this call.
@@ -335,6 +336,8 @@ class Engine:
                         for i, (prompt, p) in enumerate(zip(prompts, params))]
             while self.has_unfinished():
                 self.step()
+                if on_step is not None:
+                    on_step()
         finally:
             for r in [*self.waiting, *self.running]:
                 self.kv_cache.allocator.free(r.request_id)
