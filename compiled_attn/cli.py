@@ -1,9 +1,12 @@
-"""``compiled-attn`` command line: ``generate`` runs the decode loop on a model.
+"""``compiled-attn`` command line: ``generate`` runs the decode loop on a model,
+``bench`` times decode steps under several runtimes (CUDA).
 
 Examples::
 
     compiled-attn generate                              # embedded default model, CPU
     compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
+    compiled-attn generate --device cuda --profile runs/trace
+    compiled-attn bench --batch-sizes 1 64
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .benchmark import run_bench
 from .engine import Engine
 from .kv_cache import OutOfBlocksError
 from .models import build_random_model, default_config, load_diffllama
@@ -38,7 +42,7 @@ def _prompt_ids(value: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compiled-attn", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="compiled-attn", description="Differential-attention models, compiled whole, over a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with a differential-attention model")
     gen.add_argument("--model", type=Path, help="Hugging Face DiffLlama directory (default: embedded small model)")
@@ -65,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile-steps", type=int, default=8, help="engine steps to record with --profile")
     gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
                      help="with --profile on cuda: write a CUDA memory snapshot to FILE")
+    bench = commands.add_parser("bench", help="decode-step latency: eager, compiled, our graphs, "
+                                "reduce-overhead, transformers (CUDA)")
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--new-tokens", type=int, default=256)
+    bench.add_argument("--modes", nargs="+", default=["eager", "compiled", "graphs", "reduce-overhead", "hf"],
+                       choices=["eager", "compiled", "graphs", "reduce-overhead", "hf"])
+    bench.add_argument("--results-dir", type=Path, default=Path("profiling/results"),
+                       help="where decode.md and decode.jsonl are appended")
     return parser
 
 
@@ -170,6 +183,14 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        try:
+            _, table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir)
+        except ValueError as err:
+            print(f"compiled-attn: error: {err}", file=sys.stderr)
+            return 2
+        print(table)
+        return 0
     try:
         result = generate(args)
     except (ValueError, FileNotFoundError, OutOfBlocksError) as err:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from compiled_attn.metadata import SequenceChunk, build_metadata
 from compiled_attn.models import load_diffllama
-from compiled_attn.models.loader import halves_to_interleaved, load_config
+from compiled_attn.models.loader import halves_to_interleaved, interleaved_to_halves, load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,6 +28,12 @@ def test_halves_to_interleaved_labelled_rows():
     assert halves_to_interleaved(torch.arange(6), 6).tolist() == [0, 3, 1, 4, 2, 5]
     # 2 heads: already a single pair, unchanged.
     assert halves_to_interleaved(torch.arange(6), 2).tolist() == list(range(6))
+
+
+def test_interleaved_to_halves_inverts_the_load_permutation():
+    weight = torch.randn(12 * 4, 5)  # 12 heads of 4
+    assert torch.equal(interleaved_to_halves(halves_to_interleaved(weight, 12), 12), weight)
+    assert interleaved_to_halves(torch.arange(6), 6).tolist() == [0, 2, 4, 1, 3, 5]
 
 
 def test_halves_to_interleaved_weight_matrix_keeps_columns():

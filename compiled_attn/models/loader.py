@@ -31,6 +31,11 @@ def halves_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rearrange(weight, "(two h d) ... -> (h two d) ...", two=2, h=num_heads // 2)
 
 
+def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of :func:`halves_to_interleaved` (to write a Hugging Face checkpoint)."""
+    return rearrange(weight, "(h two d) ... -> (two h d) ...", two=2, h=num_heads // 2)
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():

@@ -1,0 +1,220 @@
+"""``compiled-attn bench``: decode-step latency of one model under several runtimes.
+
+Runtimes, on the same weights, batch and lengths: ``eager`` (our engine, no compile),
+``compiled`` (``torch.compile(fullgraph=True)``, no graphs), ``graphs`` (compiled + our
+CUDA-graph runner), ``reduce-overhead`` (``torch.compile(mode="reduce-overhead")``:
+Inductor's own CUDA graphs), and ``hf`` (Hugging Face ``DiffLlamaForCausalLM.generate``
+with a static cache, which it compiles). A step's latency is decode wall time over decode
+steps of a full generate call (prompt of ``prompt_len``, ``new_tokens`` generated).
+
+Anchors measured in the same run: the *physical floor* of a step, (weight bytes + KV
+bytes read) / device-to-device copy bandwidth (bytes read + written per second of a
+2 GiB copy), and each runtime against ours. The table is appended to
+``<results_dir>/decode.md`` and ``decode.jsonl``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .engine import Engine
+from .models import DiffLlamaConfig, build_random_model
+from .models.loader import interleaved_to_halves
+from .profiler import StepProfiler, summarize_trace
+from .results import ResultRow, write_results
+from .sampling import SamplingParams
+
+BENCH_CONFIG = DiffLlamaConfig(
+    vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+    bos_token_id=None, eos_token_id=None,
+)
+"""About 1.1 B parameters: hidden 2048, 16 layers, 32 heads (16 pairs) of 64, 8 KV heads."""
+
+ENGINE_MODES = {
+    "eager": dict(compile=False, cuda_graphs=False),
+    "compiled": dict(compile=True, cuda_graphs=False),
+    "graphs": dict(compile=True, cuda_graphs=True),
+    "reduce-overhead": dict(compile=True, cuda_graphs=False, compile_kwargs={"mode": "reduce-overhead"}),
+}
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy (median of 20)."""
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    return 2 * (1 << 30) * 2 / sorted(times[5:])[len(times[5:]) // 2]
+
+
+def floor_seconds(model, batch: int, mean_context: float, bandwidth: float) -> float:
+    """(weights read + KV read) / bandwidth for one decode step; the input embedding
+    reads only ``batch`` rows, so its table is not counted (unless tied to the head)."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
+    kv = (batch * mean_context * model.num_cache_layers * 2 * config.num_key_value_heads
+          * config.head_dim * next(model.parameters()).element_size())
+    return (weights + kv) / bandwidth
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, max_batch: int,
+                profile_steps: int = 0) -> dict:
+    """Decode-step latency of our engine in ``mode``; with ``profile_steps`` also the
+    device-busy fraction of that many profiled decode steps."""
+    block_size = 16
+    max_len = prompt_len + new_tokens + 1
+    blocks = batch * -(-max_len // block_size) + 1
+    engine = Engine(model, max_model_len=max_len, block_size=block_size, num_blocks=blocks,
+                    max_num_seqs=max_batch, **ENGINE_MODES[mode])
+    engine.generate(_prompts(batch, 16, model.config.vocab_size, 1), SamplingParams(max_new_tokens=4))  # warm-up
+    _, timings = engine.generate(_prompts(batch, prompt_len, model.config.vocab_size),
+                                 SamplingParams(max_new_tokens=new_tokens))
+    result = {"step_s": timings.decode_seconds / timings.decode_steps,
+              "tokens_per_s": timings.decode_tokens_per_s, "capture": engine.capture_stats}
+    if profile_steps:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            profiler = StepProfiler(trace_dir, skip_first=1, active=profile_steps)  # decode steps only
+            with profiler:
+                engine.generate(_prompts(batch, prompt_len, model.config.vocab_size, 2),
+                                SamplingParams(max_new_tokens=profile_steps + 2), on_step=profiler.step)
+            summary = summarize_trace(profiler.trace_files()[-1])
+        result["device_busy"] = summary.device_busy_us / summary.step_us
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:
+    """Decode-step latency of transformers' DiffLlama ``generate`` with a static cache
+    (compiled by transformers): (time of ``new_tokens`` - time of 1 token) / (new_tokens - 1)."""
+    from transformers import DiffLlamaForCausalLM
+
+    hf = DiffLlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    ids = torch.tensor(_prompts(batch, prompt_len, hf.config.vocab_size), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                    cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(new_tokens)  # compiles
+    run(1)
+    full, one = run(new_tokens), run(1)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return (full - one) / (new_tokens - 1)
+
+
+def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
+              modes=("eager", "compiled", "graphs", "reduce-overhead", "hf"),
+              results_dir: str | Path = "profiling/results", seed: int = 0,
+              log=print) -> tuple[list[ResultRow], str]:
+    """Measure every mode at every batch size; write the rows and return them with the
+    Markdown table. A runtime that fails is logged and left out.
+
+    Raises:
+        ValueError: no CUDA device.
+    """
+    if not torch.cuda.is_available():
+        raise ValueError("compiled-attn bench needs a CUDA device")
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    bandwidth = copy_bandwidth(device)
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    with tempfile.TemporaryDirectory() as model_dir:
+        model = build_random_model(BENCH_CONFIG, seed=seed, dtype=dtype, device=device)
+        if "hf" in modes:
+            _save_as_hf(model, Path(model_dir))
+        rows: list[ResultRow] = []
+        for batch in batch_sizes:
+            step: dict[str, float] = {}
+            floor = floor_seconds(model, batch, prompt_len + new_tokens / 2, bandwidth)
+            for mode in modes:
+                started = time.perf_counter()
+                try:
+                    if mode == "hf":
+                        step[mode] = time_hf(Path(model_dir), batch, prompt_len, new_tokens, dtype)
+                    else:
+                        res = time_engine(model, mode, batch, prompt_len, new_tokens, max(batch_sizes),
+                                          profile_steps=16 if mode == "graphs" else 0)
+                        step[mode] = res["step_s"]
+                        if mode == "graphs":
+                            capture = res["capture"]
+                            rows.append(ResultRow(f"B={batch} graphs", "device busy / step wall", res["device_busy"], "1", 1.0, ">= 0.9"))
+                            if batch == batch_sizes[0]:
+                                rows.append(ResultRow(f"capture {len(capture.sizes)} sizes <= {max(capture.sizes)}", "seconds", capture.seconds, "60 s", 60.0, "<= 1"))
+                                rows.append(ResultRow("graph memory", "MiB", capture.memory_bytes / 2**20, "-", 1.0))
+                except Exception as err:  # report and go on with the other runtimes
+                    log(f"B={batch} {mode}: FAILED {type(err).__name__}: {str(err)[:300]}")
+                    continue
+                log(f"B={batch} {mode}: {step[mode] * 1e3:.3f} ms/step ({time.perf_counter() - started:.0f} s)")
+            rows += _ratios(batch, step, floor)
+    return rows, write_results(rows, results_dir, "decode", "Decode step, DiffLlama ~1.1B bf16, "
+                               f"prompt {prompt_len}, {new_tokens} new tokens")
+
+
+def _ratios(batch: int, step: dict[str, float], floor: float) -> list[ResultRow]:
+    """Step times against the floor, and every other runtime against ours (``graphs``):
+    ratio = their step time / ours, i.e. our speedup. Targets apply at B = 1."""
+    ours = step.get("graphs")
+    rows = [ResultRow(f"B={batch} {mode}", "step ms", s * 1e3, "floor ms", floor * 1e3,
+                      "<= 1.35" if mode == "graphs" and batch == 1 else "")
+            for mode, s in step.items()]
+    if ours is None:
+        return rows
+    targets = {"eager": ">= 3", "compiled": "", "reduce-overhead": ">= 1", "hf": ">= 1.3"}
+    for mode, target in targets.items():
+        if mode in step:
+            rows.append(ResultRow(f"B={batch} {mode} / graphs", "step ms", step[mode] * 1e3, "graphs ms",
+                                  ours * 1e3, target if batch == 1 else ""))
+    return rows
+
+
+def _save_as_hf(model, directory: Path) -> None:
+    """Write our model as a Hugging Face DiffLlama checkpoint (heads back to block halves)."""
+    config = model.config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+            tensor = interleaved_to_halves(tensor, heads)
+        state[name] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"))
+    hf_config = {
+        "model_type": "diffllama", "architectures": ["DiffLlamaForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": None, "eos_token_id": None,
+        "torch_dtype": "bfloat16",
+    }
+    (directory / "config.json").write_text(json.dumps(hf_config))

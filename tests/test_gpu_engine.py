@@ -1,0 +1,136 @@
+"""The graph-replayed decode engine on a CUDA GPU (run on the H200: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from compiled_attn.engine import Engine
+from compiled_attn.graphs import DecodeBuffers, decode_step
+from compiled_attn.models import DiffLlamaConfig, build_random_model
+from compiled_attn.profiler import StepProfiler, summarize_trace
+from compiled_attn.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CONFIG = DiffLlamaConfig(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
+    eos_token_id=None, lambda_std_dev=0.3,
+)
+
+
+def _model(seed: int, dtype=torch.float32):
+    model = build_random_model(CONFIG, seed=seed, dtype=dtype, device="cuda")
+    model.lm_head.weight.mul_(30.0)  # wide logit margins: greedy picks are not near-ties
+    return model
+
+
+def _workload(n: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.0, 0.7]),
+                             top_p=rng.choice([1.0, 0.9])) for _ in range(n)]
+    return prompts, params
+
+
+def test_graph_replay_gives_the_tokens_of_eager_for_64_mixed_requests():
+    model = _model(0)
+    prompts, params = _workload(64, seed=1)
+    eager, _ = Engine(model, compile=False, cuda_graphs=False, num_blocks=512).generate(prompts, params, seed=3)
+    engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=32, num_blocks=512)
+    replayed, timings = engine.generate(prompts, params, seed=3)
+    assert engine.capture_stats is not None and engine.capture_stats.sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert timings.decode_steps > 24
+    mismatched = [i for i, (a, b) in enumerate(zip(eager, replayed)) if a.output_ids != b.output_ids]
+    assert not mismatched, f"requests {mismatched} differ between eager and graph replay"
+
+
+def test_1000_steps_of_changing_batch_size_no_recompiles_no_captures_steady_memory():
+    model = _model(1, torch.bfloat16)
+    engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=1024)
+    rng = random.Random(0)
+    sizes, memory = [], {}
+    for step in range(1000):
+        target = 1 + (step // 40) % 16  # the wanted number of live requests sweeps 1..16
+        while len(engine.running) + len(engine.waiting) < target:
+            engine.add_request([rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 30))],
+                               SamplingParams(max_new_tokens=rng.randint(1, 40)))
+        if engine.running and not engine.waiting:
+            sizes.append(len(engine.running))
+        engine.step()
+        if step == 100:
+            stats = engine.compile_stats
+            warm = (stats.graphs_compiled, len(engine.graph_runner.graphs))
+            memory["warm"] = torch.cuda.memory_allocated()
+    memory["end"] = torch.cuda.memory_allocated()
+    assert min(sizes) == 1 and max(sizes) == 16
+    assert (stats.graphs_compiled, len(engine.graph_runner.graphs)) == warm
+    assert stats.recompiles == 0 and stats.graph_breaks == 0
+    assert abs(memory["end"] - memory["warm"]) < 1 << 20, memory
+
+
+def _rows_after_prefill(engine: Engine, prompts):
+    rows = []
+    for prompt in prompts:
+        request = engine.add_request(prompt, SamplingParams(max_new_tokens=8))
+        engine.step()
+        table = engine.kv_cache.allocator.allocate(request.request_id, request.num_tokens + 1)
+        rows.append(request.decode_row(list(table)))
+    return rows
+
+
+def test_poisoned_padding_never_changes_real_rows():
+    model = _model(2)
+    engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=8, num_blocks=64)
+    engine.capture()
+    rows = _rows_after_prefill(engine, [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+    used = {b for t in engine.kv_cache.allocator.block_tables.values() for b in t}
+    unused = torch.tensor(sorted(set(range(64)) - used), device="cuda")
+    for k, v in engine.kv_cache.layers:
+        k[unused] = float("nan")
+        v[unused] = float("nan")
+    clean = DecodeBuffers(8, engine.max_blocks_per_seq, engine.kv_cache.block_size, "cuda")
+    clean.write(rows, 3)
+    with torch.inference_mode():
+        want = decode_step(engine.forward, engine.kv_cache.layers, clean, 3)
+    engine.buffers.write(rows, 4)  # one padding row, then poison it
+    engine.buffers.input_ids[3] = 7
+    engine.buffers.positions[3] = 10**6
+    engine.buffers.block_table[3] = torch.randint(0, 64, engine.buffers.block_table[3].shape, device="cuda")
+    engine.buffers.temperature[3] = float("nan")
+    engine.buffers.top_p[3] = float("nan")
+    got = engine.graph_runner.replay(4)
+    assert torch.equal(got[:3], want)
+    for k, v in engine.kv_cache.layers:  # the padding row wrote nothing into unused blocks
+        assert torch.isnan(k[unused]).all() and torch.isnan(v[unused]).all()
+
+
+def test_a_replay_output_survives_the_next_replay():
+    engine = Engine(_model(3), compile=True, cuda_graphs=True, max_num_seqs=4, num_blocks=64)
+    engine.capture()
+    engine.buffers.write(_rows_after_prefill(engine, [[1, 2], [3, 4, 5]]), 2)
+    first = engine.graph_runner.replay(2)
+    kept = first.clone()
+    second = engine.graph_runner.replay(2)
+    assert torch.equal(first, kept)
+    assert second.data_ptr() != first.data_ptr()
+
+
+def test_trace_of_replayed_decode_shows_our_kernels_inside_replays(tmp_path):
+    engine = Engine(_model(4, torch.bfloat16), compile=True, cuda_graphs=True, max_num_seqs=4, num_blocks=64)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))  # compile and capture
+    profiler = StepProfiler(tmp_path, skip_first=1, active=6)
+    with profiler:
+        engine.generate([[5, 6, 7, 8], [9]], SamplingParams(max_new_tokens=9), on_step=profiler.step)
+    summary = summarize_trace(profiler.trace_files()[-1])
+    assert summary.replay_us > 0 and summary.phase_us.get("decode_step", 0) > 0
+    attention = dict(summary.kernels)
+    launches = [n for n in attention if "attention_kernel" in n]
+    assert launches, f"no attention kernel in {list(attention)[:10]}"
+    assert summary.device_busy_us > 0
