@@ -9,6 +9,7 @@ module                    idea
 ``cache_kernel``          ``reshape_and_cache`` (slot -1 skipped)
 ``config``                tile sizes and split count from tensor shapes only (CUDA-graph safe)
 ``attention``             host launchers ``paged_attention`` / ``varlen_attention``
+``launch_utils``          small host helpers (powers of two, device guard, SM count)
 ========================  =======================================================================
 
 :mod:`compiled_attn.ops.backends` registers these launchers as the ``cuda`` kernels of the

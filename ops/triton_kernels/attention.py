@@ -8,11 +8,13 @@ value checks (the public wrappers do). They accept CUDA tensors, or CPU tensors 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from .attention_kernel import attention_kernel
-from .config import choose_num_splits, choose_tiles
+from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import device_guard, multiprocessor_count, next_power_of_2
 from .merge_kernel import merge_splits_kernel
 
@@ -71,7 +73,33 @@ def varlen_attention(
                       scale, causal, window_size, softcap, alibi_slopes, out, num_splits)
 
 
-def _output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
+class LaunchPlan(NamedTuple):
+    """What the shape heuristic picks for one launch (see :mod:`.config`)."""
+
+    tiles: TileConfig
+    num_splits: int
+    group_pad: int  # query heads (pairs) per KV head (pair), padded to a power of two
+    head_size_pad: int
+    num_kv_units: int  # KV heads (plain) or KV head pairs (differential): grid axis 1
+
+
+def launch_plan(query: Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int,
+                differential: bool) -> LaunchPlan:
+    """Tiles and flash-decoding splits for these shapes (``max_kv_len`` bounds any
+    sequence's keys); reads no tensor values."""
+    num_tokens, num_heads, head_size = query.shape
+    group_pad = next_power_of_2(num_heads // num_kv_heads)
+    head_size_pad = max(16, next_power_of_2(head_size))
+    num_kv_units = num_kv_heads // 2 if differential else num_kv_heads
+    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, query.dtype)
+    num_splits = choose_num_splits(num_seqs, num_tokens, tiles.block_m // group_pad, num_kv_units,
+                                   max_kv_len, tiles.programs_per_sm,
+                                   multiprocessor_count(query.device))
+    return LaunchPlan(tiles, num_splits, group_pad, head_size_pad, num_kv_units)
+
+
+def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
+    """``[T, Hq, D]`` (plain) or ``[T, Hq/2, 2D]`` (differential) for ``query`` ``[T, Hq, D]``."""
     num_tokens, num_heads, head_size = query.shape
     if differential:
         return (num_tokens, num_heads // 2, 2 * head_size)
@@ -87,7 +115,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[-2]
     num_seqs = cu_seqlens_q.shape[0] - 1
-    out_shape = _output_shape(query, differential)
+    out_shape = output_shape(query, differential)
     if out is None:
         out = query.new_empty(out_shape)
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.stride(-1) != 1:
@@ -97,16 +125,11 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
         return out
     scale = head_size ** -0.5 if scale is None else scale
 
-    group = num_heads // num_kv_heads
-    group_pad = next_power_of_2(group)
-    head_size_pad = max(16, next_power_of_2(head_size))
-    num_kv_units = num_kv_heads // 2 if differential else num_kv_heads
-    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, query.dtype)
+    plan = launch_plan(query, num_kv_heads, num_seqs, max_kv_len, differential)
+    tiles, group_pad = plan.tiles, plan.group_pad
+    num_splits = plan.num_splits if num_splits is None else num_splits
     block_q = tiles.block_m // group_pad
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_tokens, block_q, num_kv_units, max_kv_len,
-                                       multiprocessor_count(query.device))
-    grid = (num_tokens // block_q + num_seqs, num_kv_units, num_splits)
+    grid = (num_tokens // block_q + num_seqs, plan.num_kv_units, num_splits)
     min_dist, max_dist = visibility_bounds(causal, *window_size)
 
     if paged:
@@ -139,8 +162,9 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
             *query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides,
             BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential,
             SPLIT=num_splits > 1, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-            LAMBDA_PER_PAIR=lambda_per_pair, HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_size_pad,
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
+            LAMBDA_PER_PAIR=lambda_per_pair, HEAD_SIZE=head_size,
+            HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad,
+            BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if num_splits > 1:

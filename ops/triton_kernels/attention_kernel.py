@@ -22,12 +22,14 @@ base 2, with the masks of ``flash_attn_with_kvcache``: query ``i`` of a sequence
 position ``p = i + kv_len - q_len`` and sees key ``j`` when
 ``min_dist <= p - j <= max_dist`` (the launcher folds ``causal`` and ``window_size`` into
 these two bounds). Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then
-``- slope * |p - j|`` (ALiBi). Rows that see no key produce zeros.
+``- slope * |p - j|`` (ALiBi). Rows that see no key produce zeros. Only key tiles at the
+edges of a query tile's visible range are masked; tiles that every row sees whole are not.
 
 Differential (Ye et al. 2024, arXiv 2410.05258, eq. 1): a program owns KV heads ``2u`` and
 ``2u + 1`` and query head pairs ``(2j, 2j + 1)``; it keeps two online-softmax states (``q1.k1``
-and ``q2.k2``) over the same K/V tiles, loaded once, each accumulating ``softmax . [v1, v2]``,
-and writes ``o1 - lambda_j * o2`` (float32 arithmetic) as ``[T, H/2, 2D]``.
+and ``q2.k2``) over the same K/V tiles, loaded once (``k1``, ``k2`` and the value pair as one
+``[TILE_N, 2D]`` tile ``[v1 | v2]``), each accumulating ``softmax . [v1 | v2]``, and writes
+``o1 - lambda_j * o2`` (float32 arithmetic) as ``[T, H/2, 2D]``.
 """
 
 import triton
@@ -53,22 +55,23 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _tanh(x):
-    """``tanh`` from ``exp`` (portable across Triton versions and the interpreter)."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """``tanh`` from ``exp`` of a non-positive argument (no overflow; portable across Triton
+    versions and the interpreter)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
-def _scores(q, k, dist, visible, scale, softcap, slope,
-            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Masked scores in base 2: ``[BLOCK_M, TILE_N]`` float32, ``-inf`` where invisible.
-
-    ``q`` ``[BLOCK_M, HEAD_SIZE_PAD]``, ``k`` ``[TILE_N, HEAD_SIZE_PAD]``, ``dist = p - j``."""
+def _scores(q, k, dist, scale, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Unmasked scores in base 2, ``[BLOCK_M, TILE_N]`` float32. ``q`` ``[BLOCK_M,
+    HEAD_SIZE_PAD]``, ``k`` ``[TILE_N, HEAD_SIZE_PAD]``, ``dist = p - j`` (ALiBi only)."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
     if ALIBI:
         s -= slope[:, None] * tl.abs(dist).to(tl.float32)
-    return tl.where(visible, s * LOG2E, float("-inf"))
+    return s * LOG2E
 
 
 @triton.jit
@@ -129,6 +132,7 @@ def attention_kernel(
             ``min_dist <= p - j <= max_dist``.
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    VALUE_HEADS: tl.constexpr = 2 if DIFFERENTIAL else 1  # V tile: [v] or [v1 | v2]
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,6 +160,10 @@ def attention_kernel(
     pos = q_idx + kv_len - q_len
     dims = tl.arange(0, HEAD_SIZE_PAD)
     dim_ok = dims < HEAD_SIZE
+    # Value columns: column c is dim c % HEAD_SIZE_PAD of value head c // HEAD_SIZE_PAD.
+    cols = tl.arange(0, VALUE_HEADS * HEAD_SIZE_PAD)
+    col_ok = cols % HEAD_SIZE_PAD < HEAD_SIZE
+    col_offset = (cols // HEAD_SIZE_PAD) * HEAD_SIZE + cols % HEAD_SIZE_PAD  # in [v1 | v2]
 
     if DIFFERENTIAL:
         q_head = 2 * head
@@ -172,7 +180,7 @@ def attention_kernel(
         slope1 = tl.zeros([BLOCK_M], tl.float32)
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, VALUE_HEADS * HEAD_SIZE_PAD], tl.float32)  # softmax1 . [v1 | v2]
     if DIFFERENTIAL:
         q2 = tl.load(q_ptrs + stride_qh, mask=q_mask, other=0.0)
         if ALIBI:
@@ -181,14 +189,15 @@ def attention_kernel(
             slope2 = tl.zeros([BLOCK_M], tl.float32)
         m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l2 = tl.zeros([BLOCK_M], tl.float32)
-        acc1b = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)  # softmax1 . v2
-        acc2 = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)   # softmax2 . v1
-        acc2b = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)  # softmax2 . v2
+        acc2 = tl.zeros([BLOCK_M, VALUE_HEADS * HEAD_SIZE_PAD], tl.float32)  # softmax2 . [v1 | v2]
 
-    # Keys this tile can see, in whole key tiles; this split's share of them.
+    # Keys this tile can see, in whole key tiles; this split's share of them. Keys in
+    # [full_lo, full_hi) are visible from every row: tiles inside need no mask.
     pos_first = q_first + kv_len - q_len
     pos_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1 + kv_len - q_len
     kv_hi = tl.maximum(tl.minimum(pos_last - min_dist + 1, kv_len), 0)
+    full_lo = pos_last - max_dist
+    full_hi = tl.minimum(pos_first - min_dist + 1, kv_len)
     tile_lo = tl.maximum(pos_first - max_dist, 0) // TILE_N
     num_tiles = tl.maximum(tl.cdiv(kv_hi, TILE_N) - tile_lo, 0)
     per_split = tl.cdiv(num_tiles, num_splits)
@@ -206,52 +215,48 @@ def attention_kernel(
         else:
             k_rows = (kv_start + kpos).to(tl.int64) * stride_kb
             v_rows = (kv_start + kpos).to(tl.int64) * stride_vb
-        kv_mask = kv_ok[:, None] & dim_ok[None, :]
         k_ptrs = k_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd
-        v_ptrs = v_ptr + v_rows[:, None] + kv_head * stride_vh + dims[None, :] * stride_vd
-        k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        v_ptrs = (v_ptr + v_rows[:, None] + (kv_head + cols // HEAD_SIZE_PAD)[None, :] * stride_vh
+                  + (cols % HEAD_SIZE_PAD)[None, :] * stride_vd)
+        k_mask = kv_ok[:, None] & dim_ok[None, :]
+        k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ok[:, None] & col_ok[None, :], other=0.0)
         dist = pos[:, None] - kpos[None, :]
-        visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
-
-        s1 = _scores(q1, k1, dist, visible, scale, softcap, slope1, SOFTCAP, ALIBI)
-        m1, l1, p1, alpha1 = _online_softmax(m1, l1, s1)
-        p1 = p1.to(v1.dtype)
-        acc1 = acc1 * alpha1[:, None] + tl.dot(p1, v1, input_precision="ieee")
+        s1 = _scores(q1, k1, dist, scale, softcap, slope1, SOFTCAP, ALIBI)
         if DIFFERENTIAL:
-            k2 = tl.load(k_ptrs + stride_kh, mask=kv_mask, other=0.0)
-            v2 = tl.load(v_ptrs + stride_vh, mask=kv_mask, other=0.0)
-            acc1b = acc1b * alpha1[:, None] + tl.dot(p1, v2, input_precision="ieee")
-            s2 = _scores(q2, k2, dist, visible, scale, softcap, slope2, SOFTCAP, ALIBI)
-            m2, l2, p2, alpha2 = _online_softmax(m2, l2, s2)
-            p2 = p2.to(v1.dtype)
-            acc2 = acc2 * alpha2[:, None] + tl.dot(p2, v1, input_precision="ieee")
-            acc2b = acc2b * alpha2[:, None] + tl.dot(p2, v2, input_precision="ieee")
+            k2 = tl.load(k_ptrs + stride_kh, mask=k_mask, other=0.0)
+            s2 = _scores(q2, k2, dist, scale, softcap, slope2, SOFTCAP, ALIBI)
+        if (kv_tile * TILE_N < full_lo) | ((kv_tile + 1) * TILE_N > full_hi):  # edge tile
+            visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
+            s1 = tl.where(visible, s1, float("-inf"))
+            if DIFFERENTIAL:
+                s2 = tl.where(visible, s2, float("-inf"))
 
-    out_mask = row_ok[:, None] & dim_ok[None, :]
+        m1, l1, p1, alpha1 = _online_softmax(m1, l1, s1)
+        acc1 = acc1 * alpha1[:, None] + tl.dot(p1.to(v.dtype), v, input_precision="ieee")
+        if DIFFERENTIAL:
+            m2, l2, p2, alpha2 = _online_softmax(m2, l2, s2)
+            acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, input_precision="ieee")
+
+    out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # Partials of every query head: row q_head holds [o.v1 | o.v2] (differential).
-        part = out_ptr + split * stride_os + token[:, None] * stride_ot + dims[None, :] * stride_od
-        part1 = part + q_head[:, None] * stride_oh
+        # Normalized partials and log-sum-exp of every query head (component) on its own row.
+        part = (out_ptr + split * stride_os + token[:, None] * stride_ot
+                + q_head[:, None] * stride_oh + col_offset[None, :] * stride_od)
         lse = lse_ptr + split * stride_ls + token * stride_lt + q_head * stride_lh
-        tl.store(part1, _normalize(acc1, l1), mask=out_mask)
+        tl.store(part, _normalize(acc1, l1), mask=out_mask)
         tl.store(lse, _log_sum_exp(m1, l1), mask=row_ok)
         if DIFFERENTIAL:
-            part2 = part1 + stride_oh
-            tl.store(part1 + HEAD_SIZE * stride_od, _normalize(acc1b, l1), mask=out_mask)
-            tl.store(part2, _normalize(acc2, l2), mask=out_mask)
-            tl.store(part2 + HEAD_SIZE * stride_od, _normalize(acc2b, l2), mask=out_mask)
+            tl.store(part + stride_oh, _normalize(acc2, l2), mask=out_mask)
             tl.store(lse + stride_lh, _log_sum_exp(m2, l2), mask=row_ok)
     else:
-        out = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+        o = _normalize(acc1, l1)
         if DIFFERENTIAL:
             if LAMBDA_PER_PAIR:
                 lam = tl.load(lambda_ptr + head, mask=head_ok, other=0.0).to(tl.float32)
             else:
-                lam = tl.load(lambda_ptr).to(tl.float32) + tl.zeros([BLOCK_M], tl.float32)
-            o_a = _normalize(acc1, l1) - lam[:, None] * _normalize(acc2, l2)
-            o_b = _normalize(acc1b, l1) - lam[:, None] * _normalize(acc2b, l2)
-            tl.store(out, o_a.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(out + HEAD_SIZE * stride_od, o_b.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            tl.store(out, _normalize(acc1, l1).to(out_ptr.dtype.element_ty), mask=out_mask)
+                lam = tl.zeros([BLOCK_M], tl.float32) + tl.load(lambda_ptr).to(tl.float32)
+            o -= lam[:, None] * _normalize(acc2, l2)
+        out = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+               + col_offset[None, :] * stride_od)
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=out_mask)

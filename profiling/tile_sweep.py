@@ -1,0 +1,113 @@
+"""Sweep the attention kernel's tile configurations on a GPU (one call, printed table).
+
+For each regime (plain/differential decode at two batch shapes, plain/differential
+prefill), every candidate ``TileConfig`` (for decode, its ``programs_per_sm`` too, which
+sets the flash-decoding splits) replaces the shape heuristic of
+:mod:`compiled_attn.ops.triton_kernels.config`, is checked against the float64 reference
+(relative L2 < 1e-2) and timed (decode: CUDA-graph replay; prefill: ``do_bench``;
+medians). The current heuristic's choice is marked ``*``.
+
+    python profiling/tile_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from compiled_attn.ops import reference, triton_kernels
+from compiled_attn.ops.triton_kernels import attention, config
+
+from kernel_timing import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, decode_inputs
+
+DEFAULT_TILES, DEFAULT_SPLITS = attention.choose_tiles, attention.choose_num_splits
+
+
+def use(tiles=None):
+    """Make the launcher use ``tiles`` (None: the heuristic's)."""
+    attention.choose_tiles = DEFAULT_TILES if tiles is None else (lambda *a: tiles)
+
+
+def relative_error(out, expected):
+    return ((out.double() - expected).norm() / expected.norm()).item()
+
+
+def sweep(name, run, check, expected, shape_args, candidates, graph):
+    """Time ``run`` under each candidate; ``check()`` (a slice of the same output) must match
+    ``expected``."""
+    use()
+    default = DEFAULT_TILES(*shape_args)
+    rows = []
+    for tiles in candidates:
+        use(tiles)
+        try:
+            err = relative_error(check(), expected)
+            ms = (do_bench_cudagraph(run, rep=50, return_mode="median") if graph
+                  else do_bench(run, warmup=25, rep=100, return_mode="median"))
+        except Exception as error:  # a candidate that does not compile or launch: report it
+            rows.append((f" {tiles}", float("inf"), type(error).__name__))
+            continue
+        mark = "*" if tiles == default else " "
+        rows.append((f"{mark}{tiles}", ms, f"err={err:.1e}" + (" BAD" if err > 1e-2 else "")))
+    use()
+    rows.sort(key=lambda r: r[1])
+    print(f"\n== {name}")
+    for label, ms, note in rows:
+        print(f"{ms:8.4f} ms  {note:14s} {label}")
+
+
+def decode_regime(batch, context, differential):
+    args = decode_inputs(batch, context, NUM_HEADS)
+    lam = torch.rand(NUM_HEADS // 2, device="cuda") if differential else None
+    expected = reference.paged_attention(*[a.double() if a.is_floating_point() else a for a in args],
+                                         lam, HEAD_SIZE ** -0.5, True, -1, -1, 0.0, None)
+
+    def run():
+        return triton_kernels.paged_attention(*args, lam)
+    tile_ns = (32, 64) if differential else (64, 128)
+    candidates = [config.TileConfig(16, n, w, s, pps) for n, w, s, pps in
+                  itertools.product(tile_ns, (4, 8), (2, 3), (4, 8))
+                  if w == 4 or n == 64]
+    sweep(f"decode B={batch} ctx={context} {'differential' if differential else 'plain'}",
+          run, run, expected, (batch, batch, 4, HEAD_SIZE, differential, DTYPE), candidates,
+          graph=True)
+
+
+def prefill_regime(differential):
+    batch, seq = 8, 2048
+    q = torch.randn(batch * seq, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    k = torch.randn(batch * seq, NUM_KV_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seq
+    lam = torch.rand(NUM_HEADS // 2, device="cuda") if differential else None
+    checked = 2 * seq  # the float64 reference covers the first two sequences
+    expected = reference.varlen_attention(
+        q[:checked].double(), k[:checked].double(), v[:checked].double(), cu[:3], cu[:3], lam,
+        HEAD_SIZE ** -0.5, True, -1, -1, 0.0, None)
+
+    def run():
+        return triton_kernels.varlen_attention(q, k, v, cu, cu, lam)
+    if differential:
+        shapes = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 128, 8, 1), (128, 32, 8, 2), (32, 64, 4, 2)]
+    else:
+        shapes = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
+    sweep(f"prefill B={batch} S={seq} {'differential' if differential else 'plain'}",
+          run, lambda: run()[:checked], expected,
+          (batch * seq, batch, 4, HEAD_SIZE, differential, DTYPE),
+          [config.TileConfig(*shape, programs_per_sm=1) for shape in shapes], graph=False)
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}; Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_SIZE} "
+          f"block={BLOCK_SIZE} {DTYPE}")
+    for differential in (False, True):
+        decode_regime(8, 8192, differential)
+        decode_regime(64, 2048, differential)
+    for differential in (False, True):
+        prefill_regime(differential)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The Triton CUDA kernels at real sizes, through the registered ops, and under CUDA graphs.
+
+Run on the H200 with ``pytest -m gpu`` (``profiling/gpu_suite.sh``). Real sizes (head sizes
+64/128/256, block sizes 16/32/64, contexts up to 32k) compare with
+``compiled_attn.ops.reference`` run in float64 on the GPU: that reference is itself checked
+against the float64 oracle of ``tests/oracle.py`` by ``test_ops_attention.py``, and the
+oracle's per-cell Python loops are too slow at these sizes (small shapes against the oracle
+itself run on the GPU from ``test_triton_interpret.py``). Every output is poisoned with NaN
+first; inputs are fresh random values; cache slots no sequence owns hold NaN.
+
+Each op is also captured once in a ``torch.cuda.CUDAGraph`` and replayed after its metadata
+tensors change (new lengths, new block tables, new query partition, padded rows); replays
+must equal eager calls bit for bit and the float64 reference within tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (run on the H200: profiling/gpu_suite.sh)"),
+]
+pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
+
+from oracle import assert_close_to_oracle  # noqa: E402
+from paged_batches import alibi_slopes, make_lambda, make_paged_batch, pad, randn_nonzero  # noqa: E402
+
+import compiled_attn.ops as ops  # noqa: E402
+from compiled_attn.ops import reference, triton_kernels  # noqa: E402
+from compiled_attn.ops.triton_kernels.attention import launch_plan, output_shape  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS = 32, 8
+MIXED = [(0, 257), (1500, 64), (1023, 1), (8191, 1), (32767, 1), (4000, 4), pad(1), (100, 0)]
+DECODE = [(0, 1), (1000, 1), (8191, 1), (32767, 1), pad(1), (20000, 1)]
+
+
+@functools.lru_cache(maxsize=8)
+def real_batch(seqs, head_size, block_size, dtype):
+    batch = make_paged_batch(list(seqs), block_size=block_size, num_heads=NUM_HEADS,
+                             num_kv_heads=NUM_KV_HEADS, head_size=head_size, dtype=dtype,
+                             seed=head_size + block_size, unused_fill="nan")
+    return [t.cuda() for t in batch.attention_args()], batch.pad_rows
+
+
+def reference_paged(args, lambda_full=None, scale=None, causal=True, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None):
+    query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table = args
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return reference.paged_attention(
+        query.double(), key_cache.double(), value_cache.double(), cu_seqlens_q, seq_lens,
+        block_table, lambda_full, scale, causal, *window_size, softcap, alibi_slopes)
+
+
+def reference_varlen(args, lambda_full=None, causal=True):
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args
+    return reference.varlen_attention(q.double(), k.double(), v.double(), cu_seqlens_q,
+                                      cu_seqlens_k, lambda_full, q.shape[-1] ** -0.5, causal,
+                                      -1, -1, 0.0, None)
+
+
+def check_paged(args, pad_rows, lambda_full=None, **options):
+    """Kernel (NaN-poisoned ``out``) vs float64 reference; padded rows exact zeros."""
+    out = torch.full(output_shape(args[0], lambda_full is not None), float("nan"),
+                     dtype=args[0].dtype, device="cuda")
+    triton_kernels.paged_attention(*args, lambda_full, out=out, **options)
+    assert_close_to_oracle(out, reference_paged(args, lambda_full, **options))
+    assert bool((out[pad_rows] == 0).all())
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_paged_real_sizes(dtype, head_size, block_size, differential):
+    if dtype == torch.float16 and block_size != 16:
+        pytest.skip("float16 runs at block size 16 only (the dtype does not change addressing)")
+    lam = make_lambda(NUM_HEADS, per_pair=True).cuda() if differential else None
+    for seqs in (MIXED, DECODE):
+        args, pad_rows = real_batch(tuple(seqs), head_size, block_size, dtype)
+        check_paged(args, pad_rows, lam)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_decode_batch_takes_the_split_path(differential):
+    """The heuristic splits the real-size decode batch above (so the split kernels ran)."""
+    args, _ = real_batch(tuple(DECODE), 128, 16, torch.bfloat16)
+    query, key_cache, _, _, seq_lens, block_table = args
+    plan = launch_plan(query, NUM_KV_HEADS, seq_lens.shape[0],
+                       block_table.shape[1] * key_cache.shape[1], differential)
+    assert plan.num_splits > 1
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_paged_real_sizes_options(differential):
+    """Sliding window (early splits of long rows see nothing), softcap and ALiBi."""
+    lam = make_lambda(NUM_HEADS, per_pair=False).cuda() if differential else None
+    slopes = alibi_slopes(NUM_HEADS).cuda()
+    for seqs in (MIXED, DECODE):
+        args, pad_rows = real_batch(tuple(seqs), 128, 16, torch.bfloat16)
+        check_paged(args, pad_rows, lam, window_size=(1024, -1), softcap=30.0,
+                    alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_varlen_real_sizes(differential):
+    g = torch.Generator().manual_seed(3)
+    lens = [2048, 1000, 17, 1, 333]
+    total = sum(lens)
+    q = randn_nonzero((total, NUM_HEADS, 128), torch.bfloat16, g).cuda()
+    k = randn_nonzero((total, NUM_KV_HEADS, 128), torch.bfloat16, g).cuda()
+    v = randn_nonzero((total, NUM_KV_HEADS, 128), torch.bfloat16, g).cuda()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    lam = make_lambda(NUM_HEADS, per_pair=True).cuda() if differential else None
+    for causal in (True, False):
+        out = torch.full(output_shape(q, differential), float("nan"), dtype=q.dtype, device="cuda")
+        triton_kernels.varlen_attention(q, k, v, cu, cu, lam, causal=causal, out=out)
+        assert_close_to_oracle(out, reference_varlen((q, k, v, cu, cu), lam, causal))
+
+
+# --- registration: the CUDA path of the ops is the Triton kernels --------------------------
+
+
+def small_paged_args():
+    batch = make_paged_batch([(0, 20), (37, 5), (50, 1), pad(1)], num_heads=8, num_kv_heads=4,
+                             head_size=64, dtype=torch.bfloat16, seed=1)
+    return batch, [t.cuda() for t in batch.attention_args()]
+
+
+def test_ops_dispatch_to_triton_on_cuda():
+    """Bit-equal to the launcher (the float32 reference would round differently)."""
+    _, args = small_paged_args()
+    lam = make_lambda(8, per_pair=True).cuda()
+    assert torch.equal(ops.paged_attention(*args), triton_kernels.paged_attention(*args))
+    assert torch.equal(ops.paged_attention(*args, lam), triton_kernels.paged_attention(*args, lam))
+    assert not torch.equal(ops.paged_attention(*args),
+                           reference.paged_attention(*args, None, 64 ** -0.5, True, -1, -1, 0.0, None))
+
+
+def test_opcheck_cuda():
+    batch, args = small_paged_args()
+    lam = make_lambda(8, per_pair=True).cuda()
+    options = (64 ** -0.5, True, -1, -1, 0.0, None)
+    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default, (*args, *options))
+    torch.library.opcheck(torch.ops.compiled_attn.differential_paged_attention.default,
+                          (*args, lam, *options))
+    key_cache, value_cache = (c.cuda() for c in batch.caches_before_write())
+    torch.library.opcheck(torch.ops.compiled_attn.reshape_and_cache.default,
+                          (batch.key.cuda(), batch.value.cuda(), key_cache, value_cache,
+                           batch.slot_mapping.cuda()))
+
+
+# --- CUDA graphs: capture once, replay with new metadata ----------------------------------
+
+
+class PagedPool:
+    """A fixed-shape paged batch whose metadata is redrawn each round (graph replay)."""
+
+    def __init__(self, num_tokens, num_seqs, width, head_size, block_size, seed):
+        self.g = torch.Generator().manual_seed(seed)
+        self.num_tokens, self.num_seqs, self.width, self.block_size = num_tokens, num_seqs, width, block_size
+        self.num_blocks = num_seqs * width + 3
+        cache_shape = (self.num_blocks, block_size, NUM_KV_HEADS, head_size)
+        self.static = [
+            torch.empty((num_tokens, NUM_HEADS, head_size), dtype=torch.bfloat16, device="cuda"),
+            torch.empty(cache_shape, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(cache_shape, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(num_seqs + 1, dtype=torch.int32, device="cuda"),
+            torch.empty(num_seqs, dtype=torch.int32, device="cuda"),
+            torch.empty((num_seqs, width), dtype=torch.int32, device="cuda"),
+        ]
+
+    def redraw(self, query_lens, padded=()):
+        """New values in the static tensors: ``query_lens`` (sum = num_tokens), random
+        contexts, a random block permutation; rows in ``padded`` get ``seq_len`` 0."""
+        assert sum(query_lens) == self.num_tokens and len(query_lens) == self.num_seqs
+        g = self.g
+        query, key_cache, value_cache, cu, seq_lens, table = self.static
+        max_len = self.width * self.block_size
+        lens = [0 if b in padded else int(torch.randint(q, max_len + 1, (), generator=g))
+                for b, q in enumerate(query_lens)]
+        cu_host = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        perm = torch.randperm(self.num_blocks, generator=g)[: self.num_seqs * self.width]
+        for dst, shape in ((query, query.shape), (key_cache, key_cache.shape),
+                           (value_cache, value_cache.shape)):
+            dst.copy_(randn_nonzero(shape, torch.bfloat16, g))
+        cu.copy_(cu_host)
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        table.copy_(perm.reshape(self.num_seqs, self.width).to(torch.int32))
+        return [sum(query_lens[:b]) + i for b in padded for i in range(query_lens[b])]
+
+
+def capture(fn):
+    """Warm up ``fn`` on a side stream, then capture it; returns (graph, static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("phase", ["decode", "mixed"])
+def test_cuda_graph_paged(phase, differential):
+    num_seqs = 6
+    num_tokens = num_seqs if phase == "decode" else 40
+    pool = PagedPool(num_tokens, num_seqs, width=256, head_size=128, block_size=16, seed=7)
+    lam = torch.empty(NUM_HEADS // 2, device="cuda") if differential else None
+    if phase == "decode":
+        rounds = [([1] * 6, ()), ([1] * 6, (2, 5)), ([1] * 6, ())]
+        plan = launch_plan(pool.static[0], NUM_KV_HEADS, num_seqs, 256 * 16, differential)
+        assert plan.num_splits > 1  # the split path is captured
+    else:
+        rounds = [([30, 1, 1, 4, 2, 2], ()), ([1, 1, 33, 1, 1, 3], (4,)), ([5, 5, 5, 5, 10, 10], (0,))]
+    pool.redraw(*rounds[0])
+    if lam is not None:
+        lam.copy_(make_lambda(NUM_HEADS, per_pair=True, seed=0))
+    graph, out = capture(lambda: ops.paged_attention(*pool.static, lam))
+    for seed, (query_lens, padded) in enumerate(rounds):
+        pad_rows = pool.redraw(query_lens, padded)
+        if lam is not None:
+            lam.copy_(make_lambda(NUM_HEADS, per_pair=True, seed=seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = ops.paged_attention(*pool.static, lam)
+        assert torch.equal(out, eager), f"round {seed}: replay differs from eager"
+        assert_close_to_oracle(out, reference_paged(pool.static, lam))
+        assert bool((out[pad_rows] == 0).all())
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_cuda_graph_varlen(differential):
+    g = torch.Generator().manual_seed(11)
+    total_q, total_k, num_seqs = 64, 96, 4
+    q = torch.empty((total_q, NUM_HEADS, 64), dtype=torch.bfloat16, device="cuda")
+    k = torch.empty((total_k, NUM_KV_HEADS, 64), dtype=torch.bfloat16, device="cuda")
+    v = torch.empty_like(k)
+    cu_q = torch.empty(num_seqs + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.empty_like(cu_q)
+    lam = torch.full((), 0.4, device="cuda") if differential else None
+
+    def redraw(q_lens, k_lens):
+        for t in (q, k, v):
+            t.copy_(randn_nonzero(t.shape, torch.bfloat16, g))
+        cu_q.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))
+        cu_k.copy_(torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32))
+
+    rounds = [([16, 16, 16, 16], [24, 24, 24, 24]), ([1, 60, 2, 1], [10, 70, 16, 0]),
+              ([40, 0, 20, 4], [40, 6, 20, 30])]
+    redraw(*rounds[0])
+    graph, out = capture(lambda: ops.varlen_attention(q, k, v, cu_q, cu_k, lam))
+    for number, lens in enumerate(rounds):
+        redraw(*lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, ops.varlen_attention(q, k, v, cu_q, cu_k, lam)), f"round {number}"
+        assert_close_to_oracle(out, reference_varlen((q, k, v, cu_q, cu_k), lam))
+
+
+def test_cuda_graph_reshape_and_cache():
+    g = torch.Generator().manual_seed(5)
+    num_tokens, num_blocks, block_size = 12, 10, 16
+    key = torch.empty((num_tokens, NUM_KV_HEADS, 128), dtype=torch.bfloat16, device="cuda")
+    value = torch.empty_like(key)
+    key_cache = torch.empty((num_blocks, block_size, NUM_KV_HEADS, 128), dtype=torch.bfloat16,
+                            device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    slots = torch.empty(num_tokens, dtype=torch.int64, device="cuda")
+
+    def redraw():
+        for t in (key, value, key_cache, value_cache):
+            t.copy_(randn_nonzero(t.shape, torch.bfloat16, g))
+        chosen = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+        chosen[torch.rand(num_tokens, generator=g) < 0.3] = -1
+        slots.copy_(chosen)
+        expected = (key_cache.clone(), value_cache.clone())
+        reference.reshape_and_cache(key, value, *expected, slots)
+        return expected
+
+    redraw()
+    graph, _ = capture(lambda: ops.reshape_and_cache(key, value, key_cache, value_cache, slots))
+    for _ in range(3):
+        expected_k, expected_v = redraw()
+        graph.replay()
+        assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)

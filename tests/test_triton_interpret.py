@@ -1,0 +1,252 @@
+"""The Triton kernels, called directly, against the float64 oracle.
+
+Without a GPU the kernels run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set by ``conftest.py`` before Triton is imported), so shapes are
+tiny and cases few; with a GPU the same cases run compiled on it. Every case draws fresh
+random inputs (never zeros; cache slots that no sequence owns hold NaN, so a kernel that
+reads past ``seq_len`` fails), fills the output with NaN before the launch (so every element
+must be written) and compares with :mod:`oracle`; padded rows must be exact zeros.
+
+bfloat16 runs only on a GPU: Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as
+their raw 16-bit integer storage (``triton/runtime/interpreter.py``, ``create_dot``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
+
+from oracle import assert_close_to_oracle, oracle_paged, oracle_varlen  # noqa: E402
+from paged_batches import (  # noqa: E402
+    alibi_slopes,
+    make_lambda,
+    make_paged_batch,
+    make_varlen_batch,
+    pad,
+)
+
+from compiled_attn.ops import triton_kernels  # noqa: E402
+from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
+    MAX_SPLITS,
+    choose_num_splits,
+    choose_tiles,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it unless the "
+                "environment overrides it)", allow_module_level=True)
+if DEVICE == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use loaded scalars as loop "
+                "bounds under NumPy 2 (TypeError in its tensor __index__; 3.6 fails, 3.9 works)",
+                allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+# prefill, chunked prefill / prefix hit, decode, multi-token decode, a padded row, a sequence
+# with no query this step, length-1 sequences; lengths leave partial last blocks.
+MIXED = [(0, 20), (37, 5), (50, 1), pad(1), (3, 0), (16, 3), (0, 1), (9, 4), pad(2)]
+
+
+def on_device(*tensors):
+    return [None if t is None else t.to(DEVICE) for t in tensors]
+
+
+def output_shape(query, differential):
+    num_tokens, num_heads, head_size = query.shape
+    if differential:
+        return (num_tokens, num_heads // 2, 2 * head_size)
+    return tuple(query.shape)
+
+
+def run_paged(batch, lambda_full=None, num_splits=None, **options):
+    """Kernel vs oracle on ``batch``; NaN-poisoned output; padded rows exact zeros."""
+    args = on_device(*batch.attention_args())
+    lam, slopes = on_device(lambda_full, options.pop("alibi_slopes", None))
+    out = torch.full(output_shape(batch.query, lam is not None), float("nan"),
+                     dtype=batch.dtype, device=DEVICE)
+    got = triton_kernels.paged_attention(*args, lam, alibi_slopes=slopes, out=out,
+                                         num_splits=num_splits, **options)
+    assert got is out
+    window = options.pop("window_size", (-1, -1))
+    expected = oracle_paged(*batch.attention_args(), window=window, alibi_slopes=slopes,
+                            lambda_full=lambda_full, **options)
+    assert_close_to_oracle(out, expected)
+    if batch.pad_rows:
+        assert bool((out[batch.pad_rows] == 0).all()), "padded rows must be exact zeros"
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_size, block_size",
+    [(4, 4, 32, 16), (4, 2, 40, 16), (6, 2, 24, 8), (8, 2, 64, 32), (8, 1, 16, 16)],
+    ids=["gqa1", "gqa2-d40", "gqa3-d24-bs8", "gqa4-d64-bs32", "gqa8-d16"],
+)
+def test_paged_mixed_batch(dtype, num_heads, num_kv_heads, head_size, block_size):
+    batch = make_paged_batch(MIXED, block_size=block_size, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                             seed=head_size, unused_fill="nan")
+    run_paged(batch)
+
+
+def test_paged_many_sequences():
+    """Many sequences whose query counts straddle tile boundaries (the binary search over
+    ``cu_seqlens_q`` and the ``T // BLOCK_Q + B`` tile bound)."""
+    g = torch.Generator().manual_seed(5)
+    seqs = [(int(torch.randint(0, 40, (), generator=g)), int(torch.randint(1, 19, (), generator=g)))
+            for _ in range(12)]
+    batch = make_paged_batch(seqs, num_heads=2, num_kv_heads=2, head_size=16, seed=5,
+                             unused_fill="nan")
+    run_paged(batch)
+
+
+@pytest.mark.parametrize(
+    "seqs, window",
+    [([(c, 1) for c in range(58, 70)], (3, -1)), ([(c, 3) for c in range(58, 70)], (-1, -1)),
+     ([(c, 3) for c in range(127, 141)], (70, -1))],
+    ids=["window-start", "causal-edge", "window-interior"],
+)
+def test_paged_key_tile_edges(seqs, window):
+    """Visibility edges at every offset around a key-tile boundary (tiles of 64 keys here):
+    the first key of a window, the causal diagonal of the first query of a tile, and the
+    last tile whose keys every query of the tile sees (no mask) must all be exact."""
+    batch = make_paged_batch(seqs, num_heads=4, num_kv_heads=2, head_size=32, seed=8,
+                             unused_fill="nan")
+    assert choose_tiles(batch.num_tokens, batch.num_seqs, 2, 32, False, torch.float32).tile_n == 64
+    run_paged(batch, window_size=window)
+    run_paged(batch, window_size=window, num_splits=3)
+
+
+OPTIONS = {
+    "window-left": dict(window_size=(8, -1)),
+    "window-both-noncausal": dict(window_size=(4, 2), causal=False),
+    "noncausal": dict(causal=False),
+    "softcap": dict(softcap=2.0),
+    "alibi": dict(alibi=True),
+    "alibi-noncausal": dict(alibi=True, causal=False, window_size=(-1, 9)),
+    "all": dict(window_size=(6, 0), softcap=3.0, alibi=True, scale=0.3),
+}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_paged_options(name):
+    options = dict(OPTIONS[name])
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = alibi_slopes(8)
+    batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_size=32, seed=11,
+                             unused_fill="nan", value_scale=2.0)
+    run_paged(batch, **options)
+
+
+@pytest.mark.parametrize("num_splits", [2, 7])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_paged_split_kv(num_splits, differential):
+    """Flash-decoding forced on: partials and log-sum-exp merged; 7 splits leave some
+    splits without keys; the window leaves early splits of long rows empty too."""
+    batch = make_paged_batch([(70, 1), (5, 1), (40, 3), pad(1), (33, 0), (0, 2)],
+                             num_heads=8, num_kv_heads=4, head_size=32, seed=num_splits,
+                             unused_fill="nan")
+    lam = make_lambda(8, per_pair=True) if differential else None
+    run_paged(batch, lam, num_splits=num_splits)
+    run_paged(batch, lam, num_splits=num_splits, window_size=(20, -1), softcap=4.0,
+              alibi_slopes=alibi_slopes(8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("per_pair", [False, True], ids=["scalar-lambda", "per-pair-lambda"])
+@pytest.mark.parametrize("num_kv_heads", [2, 4], ids=["pair-gqa4", "pair-gqa2"])
+def test_differential_paged(dtype, per_pair, num_kv_heads):
+    batch = make_paged_batch(MIXED, num_heads=8, num_kv_heads=num_kv_heads, head_size=32,
+                             dtype=dtype, seed=21, unused_fill="nan")
+    run_paged(batch, make_lambda(8, per_pair=per_pair))
+
+
+def test_differential_paged_options():
+    batch = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_size=24, seed=3,
+                             unused_fill="nan", value_scale=2.0)
+    run_paged(batch, make_lambda(4, per_pair=True), window_size=(7, -1), softcap=3.0,
+              alibi_slopes=alibi_slopes(4))
+    run_paged(batch, make_lambda(4, per_pair=False), causal=False, window_size=(3, 5))
+
+
+def run_varlen(batch, lambda_full=None, **options):
+    args = on_device(*batch.attention_args())
+    (lam,) = on_device(lambda_full)
+    out = torch.full(output_shape(batch.q, lam is not None), float("nan"), dtype=batch.dtype,
+                     device=DEVICE)
+    triton_kernels.varlen_attention(*args, lam, out=out, **options)
+    window = options.pop("window_size", (-1, -1))
+    expected = oracle_varlen(*batch.attention_args(), window=window, lambda_full=lambda_full,
+                             **options)
+    assert_close_to_oracle(out, expected)
+    if batch.empty_rows:
+        assert bool((out[batch.empty_rows] == 0).all()), "rows with no key must be exact zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_varlen(dtype, differential):
+    """Self- and cross-attention (q_len != k_len, a sequence with no keys), causal
+    (bottom-right aligned: early queries of a longer query run see nothing) and not."""
+    batch = make_varlen_batch([5, 17, 3, 1, 9], [9, 17, 0, 4, 6], num_heads=4,
+                              num_kv_heads=2, head_size=32, dtype=dtype, seed=7)
+    lam = make_lambda(4, per_pair=True) if differential else None
+    run_varlen(batch, lam)
+    run_varlen(batch, lam, causal=False, window_size=(4, 3), softcap=5.0)
+
+
+def test_varlen_matches_paged_cache_view():
+    """A paged batch and its contiguous ``to_varlen`` view give the same rows."""
+    batch = make_paged_batch([(0, 12), (20, 6), (7, 1)], num_heads=4, num_kv_heads=1,
+                             head_size=16, seed=9)
+    run_varlen(batch.to_varlen())
+
+
+def test_reshape_and_cache():
+    """New keys/values land in their slots; slot -1 (padded rows) writes nothing; every
+    other cache element is untouched (bit-exact comparison of the whole caches)."""
+    batch = make_paged_batch(MIXED, block_size=8, num_heads=4, num_kv_heads=2, head_size=24,
+                             dtype=torch.float16, seed=13)
+    assert (batch.slot_mapping == -1).any()
+    key_cache, value_cache = on_device(*batch.caches_before_write())
+    key, value, slots = on_device(batch.key, batch.value, batch.slot_mapping)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.cpu(), batch.key_cache)
+    assert torch.equal(value_cache.cpu(), batch.value_cache)
+
+
+def test_reshape_and_cache_strided_input():
+    """Key/value views of a fused projection (non-contiguous token stride)."""
+    g = torch.Generator().manual_seed(17)
+    fused = torch.randn(6, 3, 2, 16, generator=g)
+    key, value = fused[:, 1], fused[:, 2]
+    cache_k = torch.randn(3, 4, 2, 16, generator=g)
+    cache_v = torch.randn(3, 4, 2, 16, generator=g)
+    slots = torch.tensor([5, -1, 0, 11, -1, 7])
+    expected_k, expected_v = cache_k.clone(), cache_v.clone()
+    keep = slots >= 0
+    expected_k.view(-1, 2, 16)[slots[keep]] = key[keep]
+    expected_v.view(-1, 2, 16)[slots[keep]] = value[keep]
+    cache_k, cache_v, key, value, slots = on_device(cache_k, cache_v, key, value, slots)
+    triton_kernels.reshape_and_cache(key, value, cache_k, cache_v, slots)
+    assert torch.equal(cache_k.cpu(), expected_k) and torch.equal(cache_v.cpu(), expected_v)
+
+
+def test_split_heuristic_reads_shapes_only():
+    """Few programs and long block tables split; full grids and short tables do not."""
+    decode = dict(num_tokens=1, block_q=4, num_kv_units=8, programs_per_sm=8, num_sms=132)
+    assert 8 < choose_num_splits(num_seqs=1, max_kv_len=32768, **decode) <= MAX_SPLITS
+    assert choose_num_splits(num_seqs=1, max_kv_len=256, **decode) == 1
+    assert choose_num_splits(num_seqs=256, num_tokens=256, block_q=4, num_kv_units=8,
+                             max_kv_len=32768, programs_per_sm=4, num_sms=132) == 1
+    tiles = choose_tiles(num_tokens=8, num_seqs=8, group_pad=4, head_size_pad=128,
+                         differential=False, dtype=torch.bfloat16)
+    assert tiles.block_m == 16  # decode: the smallest tl.dot tile
+    tiles = choose_tiles(num_tokens=4096, num_seqs=2, group_pad=4, head_size_pad=128,
+                         differential=False, dtype=torch.bfloat16)
+    assert tiles.block_m == 128
