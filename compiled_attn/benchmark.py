@@ -134,9 +134,10 @@ def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype
 def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
               modes=("eager", "compiled", "graphs", "reduce-overhead", "hf"),
               results_dir: str | Path = "profiling/results", seed: int = 0,
-              log=print) -> tuple[list[ResultRow], str]:
-    """Measure every mode at every batch size; write the rows and return them with the
-    Markdown table. A runtime that fails is logged and left out.
+              log=print) -> str:
+    """Measure every mode at every batch size; append each batch size's rows as soon as
+    they are measured and return the Markdown tables. A runtime that fails is logged and
+    left out.
 
     Raises:
         ValueError: no CUDA device.
@@ -151,8 +152,9 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
         model = build_random_model(BENCH_CONFIG, seed=seed, dtype=dtype, device=device)
         if "hf" in modes:
             _save_as_hf(model, Path(model_dir))
-        rows: list[ResultRow] = []
+        tables = []
         for batch in batch_sizes:
+            rows: list[ResultRow] = []
             step: dict[str, float] = {}
             floor = floor_seconds(model, batch, prompt_len + new_tokens / 2, bandwidth)
             for mode in modes:
@@ -175,8 +177,10 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                     continue
                 log(f"B={batch} {mode}: {step[mode] * 1e3:.3f} ms/step ({time.perf_counter() - started:.0f} s)")
             rows += _ratios(batch, step, floor)
-    return rows, write_results(rows, results_dir, "decode", "Decode step, DiffLlama ~1.1B bf16, "
-                               f"prompt {prompt_len}, {new_tokens} new tokens")
+            tables.append(write_results(rows, results_dir, "decode", f"Decode step B={batch}, DiffLlama "
+                                        f"~1.1B bf16, prompt {prompt_len}, {new_tokens} new tokens, "
+                                        f"copy {bandwidth / 1e12:.2f} TB/s"))
+    return "".join(tables)
 
 
 def _ratios(batch: int, step: dict[str, float], floor: float) -> list[ResultRow]:
@@ -215,6 +219,6 @@ def _save_as_hf(model, directory: Path) -> None:
         "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": None, "eos_token_id": None,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
     (directory / "config.json").write_text(json.dumps(hf_config))

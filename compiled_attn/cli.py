@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         try:
-            _, table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir)
+            table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir)
         except ValueError as err:
             print(f"compiled-attn: error: {err}", file=sys.stderr)
             return 2

@@ -1,36 +1,45 @@
 #!/usr/bin/env bash
-# The GPU suite of the Triton kernels, for one call of the device tool on the H200:
-#   GPU_TESTS="tests/test_gpu_kernels.py" bash profiling/gpu_suite.sh
-# 1. pytest -m gpu over GPU_TESTS (paths in the repo; default: every GPU-marked test in tests/);
-# 2. the interpreter tests (tests/test_triton_interpret.py), compiled on the GPU this time;
-# 3. profiling/kernel_timing.py, whose table is printed last.
-# Logs go to $OUT (the device tool brings that folder back), or to a temporary folder.
-# compiled_attn is imported from a scratch folder that maps compiled_attn.ops to ops/, as
-# the editable install does, so nothing needs installing on the machine.
+# The GPU work of the project, in two stages that each fit one call of the device tool:
+#   bash profiling/gpu_suite.sh tests   # pytest -m gpu, kernels compiled on the GPU, CLI, trace
+#   bash profiling/gpu_suite.sh bench   # profiling/bench_kernels.py, then compiled-attn bench
+# Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
+# *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
+# compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
+stage=${1:?usage: gpu_suite.sh tests|bench}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
 cp -r "$repo/compiled_attn" "$site/compiled_attn"
 ln -s "$repo/ops" "$site/compiled_attn/ops"
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+export PYTHONPATH="$site:$repo/profiling" PYTHONUNBUFFERED=1
 cd "$site" || exit 1
-
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/env.txt"
-parallel=()
-python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)  # compiles and batch set-up in parallel
-
-gpu_tests=()
-for path in ${GPU_TESTS:-tests}; do gpu_tests+=("$repo/$path"); done
-
 status=0
-timeout 330 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu \
-    "${gpu_tests[@]}" 2>&1 | tee "$out/pytest_gpu.log" || status=1
-timeout 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" \
-    "$repo/tests/test_triton_interpret.py" 2>&1 | tee "$out/pytest_interpret_on_gpu.log" || status=1
-timeout 120 python3 "$repo/profiling/kernel_timing.py" --out "$out/timing.md" 2>&1 \
-    | tee "$out/timing.log" || status=1
-echo "== summary"
-tail -n 1 "$out/pytest_gpu.log" "$out/pytest_interpret_on_gpu.log"
-cat "$out/timing.md" 2>/dev/null
+run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, remember failures
+    local name=$1 seconds=$2; shift 2
+    echo "== $name"
+    timeout "$seconds" "$@" > "$out/$name.log" 2>&1 || { status=1; echo "FAILED ($name), tail:"; tail -n 25 "$out/$name.log"; }
+}
+if [ "$stage" = tests ]; then
+    parallel=()
+    python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
+    run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu "$repo/tests/test_gpu_kernels.py"
+    run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py"
+    run pytest_gpu_engine 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_engine.py"
+    run cli_generate_cuda 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32
+    run trace_decode 150 python3 "$repo/profiling/trace_decode.py" --device cuda --out "$out/trace" --timeline "$out/timeline.png"
+    echo "== summary"
+    for f in pytest_gpu_kernels pytest_interpret_on_gpu pytest_gpu_engine; do echo "$f: $(tail -n 1 "$out/$f.log")"; done
+    python3 -c "import json,sys; r=json.loads(open('$out/cli_generate_cuda.log').read().splitlines()[-1]); print('generate cuda:', r['timings'], r['compile'], r['cuda_graphs'])" || true
+    grep -A12 "profiled steps" "$out/trace_decode.log" | head -16
+    rm -rf "$out/trace"  # the trace is large; the timeline and the summary came back
+else
+    mkdir -p "$out/results"
+    run bench_kernels 200 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results"
+    run bench_decode 330 python3 -m compiled_attn.cli bench --results-dir "$out/results"
+    echo "== summary"
+    grep -h "FAILED\|ms/step\|bandwidth" "$out/bench_decode.log" | head -20
+    cat "$out/results/kernels.md" "$out/results/decode.md" 2>/dev/null
+fi
 exit $status

@@ -20,7 +20,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from compiled_attn.ops import reference, triton_kernels
 from compiled_attn.ops.triton_kernels import attention, config
 
-from kernel_timing import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, decode_inputs
+from bench_kernels import BLOCK as BLOCK_SIZE, D as HEAD_SIZE, DTYPE, HKV as NUM_KV_HEADS, HQ as NUM_HEADS, decode_inputs
 
 DEFAULT_TILES, DEFAULT_SPLITS = attention.choose_tiles, attention.choose_num_splits
 
@@ -59,7 +59,7 @@ def sweep(name, run, check, expected, shape_args, candidates, graph):
 
 
 def decode_regime(batch, context, differential):
-    args = decode_inputs(batch, context, NUM_HEADS)
+    args = decode_inputs(batch, context)
     lam = torch.rand(NUM_HEADS // 2, device="cuda") if differential else None
     expected = reference.paged_attention(*[a.double() if a.is_floating_point() else a for a in args],
                                          lam, HEAD_SIZE ** -0.5, True, -1, -1, 0.0, None)
