@@ -71,8 +71,13 @@ class AttentionMetadata:
         return self.input_ids.shape[0]
 
     def last_token_indices(self) -> torch.Tensor:
-        """``[B]`` int64 index of each sequence's last token (where logits are taken)."""
-        return self.cu_seqlens_q[1:].long() - 1
+        """``[B]`` int64 index of each sequence's last token (where logits are taken).
+
+        Gathers ``cu_seqlens_q[1:]`` with an index instead of slicing: Inductor of torch
+        2.11 fails to lower a slice of a size-oblivious dynamic dim ("unbacked_bindings").
+        """
+        ends = torch.arange(1, self.num_seqs + 1, device=self.cu_seqlens_q.device)
+        return self.cu_seqlens_q[ends].long() - 1
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_table")

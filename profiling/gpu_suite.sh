@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU work of the project, in two stages that each fit one call of the device tool:
-#   bash profiling/gpu_suite.sh tests   # pytest -m gpu, kernels compiled on the GPU, CLI, trace
+# The GPU work of the project, in stages that each fit one call of the device tool:
+#   bash profiling/gpu_suite.sh tests   # kernel tests (pytest -m gpu, interpreter tests compiled), then engine
+#   bash profiling/gpu_suite.sh engine  # engine tests (pytest -m gpu), CLI on cuda, a trace and its timeline
 #   bash profiling/gpu_suite.sh bench   # profiling/bench_kernels.py, then compiled-attn bench
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
@@ -26,11 +27,14 @@ if [ "$stage" = tests ]; then
     python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
     run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu "$repo/tests/test_gpu_kernels.py"
     run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py"
+    stage=engine
+fi
+if [ "$stage" = engine ]; then
     run pytest_gpu_engine 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_engine.py"
     run cli_generate_cuda 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32
     run trace_decode 150 python3 "$repo/profiling/trace_decode.py" --device cuda --out "$out/trace" --timeline "$out/timeline.png"
     echo "== summary"
-    for f in pytest_gpu_kernels pytest_interpret_on_gpu pytest_gpu_engine; do echo "$f: $(tail -n 1 "$out/$f.log")"; done
+    for f in "$out"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
     python3 -c "import json,sys; r=json.loads(open('$out/cli_generate_cuda.log').read().splitlines()[-1]); print('generate cuda:', r['timings'], r['compile'], r['cuda_graphs'])" || true
     grep -A12 "profiled steps" "$out/trace_decode.log" | head -16
     rm -rf "$out/trace"  # the trace is large; the timeline and the summary came back
