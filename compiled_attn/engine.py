@@ -121,6 +121,9 @@ class Engine:
         self.eos_token_ids = config.eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.forward = CompiledForward(model, **(compile_kwargs or {})) if compile else model
+        # Compiled, the sampler's ~60 small elementwise ops (hash noise, softmax, top-p) fuse
+        # into a few kernels, which matters inside a replayed decode step.
+        self.sampler = torch.compile(sample, fullgraph=True, dynamic=True) if compile else sample
         self.buffers = DecodeBuffers(max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         self.capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs))
         self.graph_runner: CUDAGraphRunner | None = None
@@ -240,7 +243,7 @@ class Engine:
                             allocator.num_blocks)
         with torch.inference_mode():
             logits = self.forward(md, self.kv_cache.layers)
-            tokens = sample(
+            tokens = self.sampler(
                 logits,
                 torch.tensor([r.params.temperature for r in requests], device=self.device),
                 torch.tensor([r.params.top_p for r in requests], device=self.device),
@@ -272,7 +275,7 @@ class Engine:
                 with record_function("replay"):
                     tokens = self.graph_runner.replay(size)[:rows]
             else:
-                tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows)
+                tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
         return tokens.tolist()
 
     def _graph_size(self, rows: int) -> int | None:
@@ -283,7 +286,7 @@ class Engine:
         """Capture the decode step for every capture size (done once, before the first
         decode step; it compiles the decode graph first when compiling)."""
         def step(rows: int) -> torch.Tensor:
-            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows)
+            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
 
         with record_function("capture"), torch.inference_mode():
             self.buffers.write([], self.buffers.max_rows)  # all padding while capturing

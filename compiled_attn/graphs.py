@@ -138,11 +138,13 @@ def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> Non
     md.slot_mapping.copy_(torch.where(live, block * block_size + md.positions % block_size, PAD_SLOT_ID))
 
 
-def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int) -> torch.Tensor:
-    """Forward, sample and advance the first ``rows`` rows; returns ``[rows]`` int64 tokens."""
+def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int,
+                sampler: Callable = sample) -> torch.Tensor:
+    """Forward, sample (with ``sampler``, :func:`~compiled_attn.sampling.sample` or its
+    compiled form) and advance the first ``rows`` rows; returns ``[rows]`` int64 tokens."""
     md = buffers.metadata(rows)
     logits = forward(md, kv_caches)
-    tokens = sample(logits, buffers.temperature[:rows], buffers.top_p[:rows], buffers.seeds[:rows],
+    tokens = sampler(logits, buffers.temperature[:rows], buffers.top_p[:rows], buffers.seeds[:rows],
                     md.positions + 1)
     advance(md, tokens, buffers.block_size)
     return tokens
@@ -150,7 +152,9 @@ def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int)
 
 @dataclass
 class CaptureStats:
-    """What capturing cost: sizes captured, wall seconds, device memory of the graphs (bytes)."""
+    """What capturing cost: sizes captured, wall seconds (warm-ups and compilation
+    included), device memory reserved by the captures (bytes, growth of the caching
+    allocator's reserve from the first capture on)."""
 
     sizes: list[int]
     seconds: float
@@ -189,7 +193,7 @@ class CUDAGraphRunner:
             RuntimeError: a capture failed (typically out of memory); the message names
                 the size and what to lower.
         """
-        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        start, before = time.perf_counter(), None
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
@@ -199,6 +203,9 @@ class CUDAGraphRunner:
                     for _ in range(self.warmup_steps):
                         self.step(size)
                 torch.cuda.current_stream().wait_stream(stream)
+                if before is None:  # after the first warm-up, which compiles (and may free cache)
+                    torch.cuda.synchronize()
+                    before = torch.cuda.memory_reserved()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.step(size)

@@ -72,7 +72,7 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     """
     row = _fmix32(_fmix32(seeds & _MASK32) ^ (positions & _MASK32))
     column = _mul32(torch.arange(vocab_size, device=seeds.device), 0x9E3779B1)
-    bits = _fmix32(_fmix32(row[:, None] ^ column))
+    bits = _fmix32(_fmix32(row.unsqueeze(1) ^ column))
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -torch.log(uniform)
 
@@ -94,13 +94,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         ``multinomial``: ``argmax(p / E)`` with ``E ~ Exp(1)``.
     """
     greedy = logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature.clamp_min(1e-6)[:, None], dim=-1)
+    probs = torch.softmax(logits / temperature.clamp_min(1e-6).unsqueeze(1), dim=-1)
     # Drop a token when the more likely tokens already reach top_p (the most likely one
     # always stays; top_p = 1 keeps all even where a float32 cumsum rounds to 1 early).
     sorted_probs = probs.sort(dim=-1, descending=True).values
     cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
-    cutoff = torch.where(cumulative < top_p[:, None], sorted_probs, 2.0).amin(dim=-1, keepdim=True)
-    keep = (probs >= cutoff) | (top_p[:, None] >= 1)
+    cutoff = torch.where(cumulative < top_p.unsqueeze(1), sorted_probs, 2.0).amin(dim=-1, keepdim=True)
+    keep = (probs >= cutoff) | (top_p.unsqueeze(1) >= 1)
     noise = exponential_noise(seeds, positions, logits.shape[-1])
     sampled = torch.where(keep, probs / noise, -1.0).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
