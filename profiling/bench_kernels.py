@@ -61,10 +61,10 @@ def seed_decode(query, key_cache, value_cache, cu, seq_lens, table, lam):
     return _subln(first - lam[:, None] * second)
 
 
-def decode_rows(bandwidth: float) -> list[ResultRow]:
+def decode_rows(bandwidth: float, batches=(1, 16, 64, 256)) -> list[ResultRow]:
     rows = []
     lam = torch.rand(HQ // 2, device="cuda")
-    for batch in (1, 16, 64, 256):
+    for batch in batches:
         for context in (1024, 4096, 16384):
             args = decode_inputs(batch, context)
             kv_bytes = 2 * batch * context * HKV * D * args[1].element_size()
@@ -149,9 +149,14 @@ def cache_rows(bandwidth: float) -> list[ResultRow]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
+    parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
+                        choices=["decode", "prefill", "cache"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    rows = decode_rows(bandwidth) + prefill_rows() + cache_rows(bandwidth)
+    parts = {"decode": lambda: decode_rows(bandwidth, args.batches), "prefill": prefill_rows,
+             "cache": lambda: cache_rows(bandwidth)}
+    rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))
 

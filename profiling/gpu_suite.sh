@@ -40,7 +40,12 @@ if [ "$stage" = engine ]; then
     rm -rf "$out/trace"  # the trace is large; the timeline and the summary came back
 else
     mkdir -p "$out/results"
-    run bench_kernels 200 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results"
+    # One process per part: a failing case (a CUDA error poisons its process) spares the others.
+    for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache; do
+        name=bench_kernels_$(echo "$part" | tr -dc 'a-z0-9')
+        run "$name" 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
+    done
+    [ "${KERNELS_ONLY:-0}" = 1 ] && { cat "$out/results/kernels.md"; exit $status; }
     run bench_decode 330 python3 -m compiled_attn.cli bench --results-dir "$out/results"
     echo "== summary"
     grep -h "FAILED\|ms/step\|bandwidth" "$out/bench_decode.log" | head -20
