@@ -17,10 +17,10 @@ export PYTHONPATH="$site:$repo/profiling" PYTHONUNBUFFERED=1
 cd "$site" || exit 1
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/env.txt"
 status=0
-run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, remember failures
+run() {  # run NAME SECONDS COMMAND...: append to $out/NAME.log, remember failures
     local name=$1 seconds=$2; shift 2
-    echo "== $name"
-    timeout "$seconds" "$@" > "$out/$name.log" 2>&1 || { status=1; echo "FAILED ($name), tail:"; tail -n 25 "$out/$name.log"; }
+    echo "== $name $*" | tee -a "$out/$name.log"
+    timeout "$seconds" "$@" >> "$out/$name.log" 2>&1 || { status=1; echo "FAILED ($name), tail:"; tail -n 12 "$out/$name.log"; }
 }
 if [ "$stage" = tests ]; then
     parallel=()
@@ -42,8 +42,7 @@ else
     mkdir -p "$out/results"
     # One process per part: a failing case (a CUDA error poisons its process) spares the others.
     for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache; do
-        name=bench_kernels_$(echo "$part" | tr -dc 'a-z0-9')
-        run "$name" 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
+        run bench_kernels 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
     done
     [ "${KERNELS_ONLY:-0}" = 1 ] && { cat "$out/results/kernels.md"; exit $status; }
     run bench_decode 330 python3 -m compiled_attn.cli bench --results-dir "$out/results"
