@@ -153,8 +153,8 @@ def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int,
 @dataclass
 class CaptureStats:
     """What capturing cost: sizes captured, wall seconds (warm-ups and compilation
-    included), device memory reserved by the captures (bytes, growth of the caching
-    allocator's reserve from the first capture on)."""
+    included), and the bytes of the graphs' shared memory pool (the caching allocator's
+    segments owned by that pool)."""
 
     sizes: list[int]
     seconds: float
@@ -193,7 +193,7 @@ class CUDAGraphRunner:
             RuntimeError: a capture failed (typically out of memory); the message names
                 the size and what to lower.
         """
-        start, before = time.perf_counter(), None
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
@@ -203,9 +203,6 @@ class CUDAGraphRunner:
                     for _ in range(self.warmup_steps):
                         self.step(size)
                 torch.cuda.current_stream().wait_stream(stream)
-                if before is None:  # after the first warm-up, which compiles (and may free cache)
-                    torch.cuda.synchronize()
-                    before = torch.cuda.memory_reserved()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.step(size)
@@ -216,8 +213,9 @@ class CUDAGraphRunner:
                 ) from err
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
-        return CaptureStats(list(self.sizes), time.perf_counter() - start,
-                            torch.cuda.memory_reserved() - before)
+        pool_bytes = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                         if tuple(segment["segment_pool_id"]) == tuple(pool))
+        return CaptureStats(list(self.sizes), time.perf_counter() - start, pool_bytes)
 
     def replay(self, size: int) -> torch.Tensor:
         """Replay the graph of ``size``; returns a copy of its output (the static output
