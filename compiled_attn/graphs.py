@@ -214,7 +214,7 @@ class CUDAGraphRunner:
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
         pool_bytes = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-                         if tuple(segment["segment_pool_id"]) == tuple(pool))
+                         if tuple(segment.get("segment_pool_id", ())) == tuple(pool))
         return CaptureStats(list(self.sizes), time.perf_counter() - start, pool_bytes)
 
     def replay(self, size: int) -> torch.Tensor:
