@@ -32,13 +32,26 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def _prompt_ids(value: str) -> list[int]:
+    if not value.strip(","):
+        raise argparse.ArgumentTypeError("--prompt-ids needs at least one id")
     try:
-        ids = [int(x) for x in value.split(",") if x.strip()]
+        return [int(x) for x in value.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}")
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids needs at least one id")
-    return ids
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _seed(value: str) -> int:
+    number = int(value)
+    if not 0 <= number < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 2**63), got {number}")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,22 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt-file", type=Path, help="file with one prompt per line")
     prompts.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                          help="a prompt as comma-separated token ids (repeatable)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (and init seed of the default model)")
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of the default model)")
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA-graph replay (cuda only)")
-    gen.add_argument("--max-batch-size", type=int, default=128,
+    gen.add_argument("--max-batch-size", type=_positive_int, default=128,
                      help="most sequences decoding at once, also the largest captured graph")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
-    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    gen.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: 8 sequences of max length)")
+    gen.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    gen.add_argument("--num-blocks", type=_positive_int,
+                     help="KV-cache blocks (default: 8 sequences of max length, at most 65536 tokens)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--profile", type=Path, metavar="DIR",
                      help="write a torch.profiler trace of the timed run to DIR (TensorBoard/Perfetto)")
-    gen.add_argument("--profile-steps", type=int, default=8, help="engine steps to record with --profile")
+    gen.add_argument("--profile-steps", type=_positive_int, default=8, help="engine steps to record with --profile")
     gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
                      help="with --profile on cuda: write a CUDA memory snapshot to FILE")
     bench = commands.add_parser("bench", help="decode-step latency: eager, compiled, our graphs, "
@@ -85,7 +99,11 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     if args.prompt_ids:
         return args.prompt_ids
     if args.prompt_file:
-        lines = [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({err})") from None
+        lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"--prompt-file {args.prompt_file} holds no non-empty line")
         return [tokenizer.encode(line) for line in lines]

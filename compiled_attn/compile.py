@@ -1,16 +1,18 @@
-"""``torch.compile`` of a model forward with dynamic batch shapes and compile accounting.
+"""``torch.compile`` with dynamic batch shapes, and compile accounting.
 
 Batch size and token count change every step. To get one graph per static variant
-(pure prefill vs. the rest) and no recompiles, the batch dims of every metadata tensor
-are marked dynamic before each call, and tracing runs with
+(pure prefill vs. the rest) and no recompiles, dim 0 (tokens or sequences) of every
+batch tensor is marked dynamic before each call, and tracing runs with
 ``torch.fx.experimental._config.backed_size_oblivious`` so that a first call with one
-token or one sequence does not specialize the graph to size 1.
+token or one sequence does not specialize the graph to size 1. The model forward and the
+sampler are compiled this way and counted in one :class:`CompileStats`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch._dynamo.utils import counters
@@ -19,13 +21,23 @@ from torch.fx.experimental import _config as fx_config
 from .metadata import TENSOR_FIELDS, AttentionMetadata
 
 
-def mark_batch_dynamic(md: AttentionMetadata) -> None:
-    """Mark dim 0 (tokens or sequences) of every metadata tensor as dynamic."""
-    for name in TENSOR_FIELDS:
-        torch._dynamo.mark_dynamic(getattr(md, name), 0)
+def mark_batch_dynamic(*args) -> None:
+    """Mark dim 0 of every tensor argument, and of every metadata tensor, as dynamic."""
+    for arg in args:
+        if isinstance(arg, AttentionMetadata):
+            for name in TENSOR_FIELDS:
+                torch._dynamo.mark_dynamic(getattr(arg, name), 0)
+        elif isinstance(arg, torch.Tensor):
+            torch._dynamo.mark_dynamic(arg, 0)
 
 
-def _frames_compiled() -> int:
+def _variant(args) -> tuple:
+    """The static part of a call: metadata's ``prefill_only`` and bool flags."""
+    return tuple(a.prefill_only if isinstance(a, AttentionMetadata) else a
+                 for a in args if isinstance(a, (AttentionMetadata, bool)))
+
+
+def _graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
@@ -38,10 +50,11 @@ class CompileStats:
     """What compiling cost so far.
 
     Attributes:
-        graphs_compiled: Dynamo frames compiled (one per static variant when all is well).
+        graphs_compiled: Dynamo graphs compiled (one per function and static variant when
+            all is well).
         graph_breaks: graph breaks seen while tracing (0 under ``fullgraph=True``).
-        recompiles: compilations of a variant (``prefill_only``, ``all_logits``) that had
-            already been compiled, i.e. guard failures on changing shapes.
+        recompiles: compilations of a function and variant that had already been
+            compiled, i.e. guard failures on changing shapes or dtypes.
         compile_seconds: wall time of the calls that compiled.
     """
 
@@ -51,29 +64,31 @@ class CompileStats:
     compile_seconds: float = 0.0
 
 
-class CompiledForward:
-    """``torch.compile(model, fullgraph=True)`` called with dynamic batch dims.
+class CompiledFunction:
+    """``torch.compile(fn, fullgraph=True)`` called with dynamic batch dims.
 
     Args:
-        model: a module with ``forward(md, kv_caches, all_logits=False)``.
+        fn: a module or function whose tensor arguments (and :class:`AttentionMetadata`)
+            have the batch in dim 0; other arguments (KV-cache lists, flags) pass as is.
+        stats: where compilations are counted (shared between functions); a new one by
+            default.
         **compile_kwargs: passed to ``torch.compile`` (``mode``, ``backend``, ...).
 
-    Call it as the model. ``stats`` counts compilations, graph breaks and recompiles.
+    Call it as ``fn``.
     """
 
-    def __init__(self, model: torch.nn.Module, **compile_kwargs) -> None:
-        self.model = model
-        self.compiled = torch.compile(model, fullgraph=True, **compile_kwargs)
-        self.stats = CompileStats()
-        self._variants: set[tuple[bool, bool]] = set()
+    def __init__(self, fn: Callable, stats: CompileStats | None = None, **compile_kwargs) -> None:
+        self.compiled = torch.compile(fn, fullgraph=True, **compile_kwargs)
+        self.stats = CompileStats() if stats is None else stats
+        self._variants: set[tuple] = set()
 
-    def __call__(self, md: AttentionMetadata, kv_caches, all_logits: bool = False) -> torch.Tensor:
-        mark_batch_dynamic(md)
-        frames, breaks, start = _frames_compiled(), _graph_breaks(), time.perf_counter()
+    def __call__(self, *args, **kwargs):
+        mark_batch_dynamic(*args, *kwargs.values())
+        graphs, breaks, start = _graphs_compiled(), _graph_breaks(), time.perf_counter()
         with fx_config.patch(backed_size_oblivious=True):
-            out = self.compiled(md, kv_caches, all_logits)
-        compiled = _frames_compiled() - frames
-        variant = (md.prefill_only, all_logits)
+            out = self.compiled(*args, **kwargs)
+        compiled = _graphs_compiled() - graphs
+        variant = _variant((*args, *kwargs.values()))
         seen = variant in self._variants
         self._variants.add(variant)
         if compiled:

@@ -20,11 +20,15 @@ from typing import Callable, Sequence
 import torch
 from torch.profiler import record_function
 
-from .compile import CompiledForward, CompileStats
+from .compile import CompiledFunction, CompileStats
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, DecodeRow, decode_step, default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError
 from .metadata import SequenceChunk, build_metadata
 from .sampling import SamplingParams, sample
+
+
+DEFAULT_CACHE_TOKENS = 65536
+"""Cap of the default KV-cache size, in tokens."""
 
 
 @dataclass
@@ -85,9 +89,12 @@ class Engine:
         max_model_len: longest sequence (prompt + output); default the model's
             ``max_position_embeddings``.
         block_size: tokens per cache block.
-        num_blocks: cache blocks; default enough for 8 sequences of ``max_model_len``.
+        num_blocks: cache blocks; default enough for 8 sequences of ``max_model_len``, at
+            most ``DEFAULT_CACHE_TOKENS`` tokens (a long-context checkpoint would otherwise
+            ask for a huge cache).
         max_num_seqs: most requests decoding at once (also the largest capture size).
-        compile: run the forward through :class:`~compiled_attn.compile.CompiledForward`.
+        compile: run the forward and the sampler through
+            :class:`~compiled_attn.compile.CompiledFunction` (counted in ``compile_stats``).
         compile_kwargs: extra ``torch.compile`` arguments.
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA models).
         capture_sizes: batch sizes to capture; default
@@ -106,24 +113,26 @@ class Engine:
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.max_model_len = max_model_len or config.max_position_embeddings
         for name, value in (("max_model_len", self.max_model_len), ("block_size", block_size),
-                            ("max_num_seqs", max_num_seqs), ("num_blocks", num_blocks or 1)):
+                            ("max_num_seqs", max_num_seqs), ("num_blocks", 1 if num_blocks is None else num_blocks)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
-        num_blocks = num_blocks or 8 * self.max_blocks_per_seq
+        if num_blocks is None:
+            num_blocks = min(8 * self.max_blocks_per_seq, -(-DEFAULT_CACHE_TOKENS // block_size))
         self.kv_cache = KVCache.allocate(
             model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
             config.head_dim, self.dtype, self.device,
         )
         self.eos_token_ids = config.eos_token_ids
         self.max_num_seqs = max_num_seqs
-        self.forward = CompiledForward(model, **(compile_kwargs or {})) if compile else model
+        self.compile_stats = CompileStats() if compile else None
+        self.forward = CompiledFunction(model, self.compile_stats, **(compile_kwargs or {})) if compile else model
         # Compiled, the sampler's ~60 small elementwise ops (hash noise, softmax, top-p) fuse
         # into a few kernels, which matters inside a replayed decode step.
-        self.sampler = torch.compile(sample, fullgraph=True, dynamic=True) if compile else sample
+        self.sampler = CompiledFunction(sample, self.compile_stats) if compile else sample
         self.buffers = DecodeBuffers(max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         self.capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs))
         self.graph_runner: CUDAGraphRunner | None = None
@@ -133,10 +142,6 @@ class Engine:
         self.timings = Timings()
         self._ids = itertools.count()
         self._decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in buffers
-
-    @property
-    def compile_stats(self) -> CompileStats | None:
-        return getattr(self.forward, "stats", None)
 
     # --- requests ---------------------------------------------------------------------
 
@@ -241,14 +246,19 @@ class Engine:
                   for r in requests]
         md = build_metadata(chunks, self.kv_cache.block_size, self.max_blocks_per_seq, self.device,
                             allocator.num_blocks)
-        with torch.inference_mode():
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        # no_grad, not inference_mode: the decode step's static buffers are ordinary tensors,
+        # and inputs of both kinds would make the compiled sampler recompile.
+        with torch.no_grad():
             logits = self.forward(md, self.kv_cache.layers)
             tokens = self.sampler(
                 logits,
-                torch.tensor([r.params.temperature for r in requests], device=self.device),
-                torch.tensor([r.params.top_p for r in requests], device=self.device),
-                torch.tensor([r.seed for r in requests], device=self.device),
-                torch.tensor([len(r.prompt_ids) for r in requests], device=self.device),
+                column([r.params.temperature for r in requests], torch.float32),
+                column([r.params.top_p for r in requests], torch.float32),
+                column([r.seed for r in requests], torch.int64),
+                column([len(r.prompt_ids) for r in requests], torch.int64),
             )
         return tokens.tolist()
 
@@ -270,7 +280,7 @@ class Engine:
         else:
             for row, index, block in new_blocks:
                 self.buffers.set_block(row, index, block)
-        with torch.inference_mode():
+        with torch.no_grad():
             if size is not None:
                 with record_function("replay"):
                     tokens = self.graph_runner.replay(size)[:rows]
@@ -288,7 +298,7 @@ class Engine:
         def step(rows: int) -> torch.Tensor:
             return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
 
-        with record_function("capture"), torch.inference_mode():
+        with record_function("capture"), torch.no_grad():
             self.buffers.write([], self.buffers.max_rows)  # all padding while capturing
             runner = CUDAGraphRunner(step, [s for s in self.capture_sizes if s <= self.max_num_seqs])
             self.capture_stats = runner.capture()

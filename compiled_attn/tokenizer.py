@@ -29,7 +29,10 @@ class JsonTokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._tokenizer = HFTokenizer.from_file(str(path))
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a bad file
+            raise ValueError(f"{path} is not a readable tokenizer.json: {err}") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids

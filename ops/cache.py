@@ -14,7 +14,9 @@ from torch import Tensor
 from . import reference
 from .validation import (
     check_block_mapping,
+    check_cache_pair,
     check_cache_write_args,
+    check_distinct_destinations,
     check_slot_values,
     should_check_values,
 )
@@ -87,19 +89,22 @@ def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapp
         block_mapping: ``[num_pairs, 2]`` int64 rows ``(src, dst)``; destinations distinct.
 
     Raises:
-        TypeError, ValueError: bad ``block_mapping`` dtype, shape or ids, or caches of
-        different block counts.
+        TypeError, ValueError: bad ``block_mapping`` dtype, shape or ids, repeated
+        destinations, a value cache unlike its key cache, caches of different block counts.
     """
     if len(key_caches) != len(value_caches) or not key_caches:
         raise ValueError(
             f"key_caches and value_caches must be non-empty lists of equal length, got "
             f"{len(key_caches)} and {len(value_caches)}"
         )
+    for key_cache, value_cache in zip(key_caches, value_caches):
+        check_cache_pair(key_cache, value_cache)
     num_blocks = {c.shape[0] for c in (*key_caches, *value_caches)}
     if len(num_blocks) != 1:
         raise ValueError(f"all caches must have the same number of blocks, got {sorted(num_blocks)}")
     (n,) = num_blocks
     check_block_mapping(block_mapping, n, n)
+    check_distinct_destinations(block_mapping)
     copy_blocks_op(key_caches, value_caches, block_mapping)
 
 

@@ -52,7 +52,7 @@ def check_head_size(name: str, head_size: int) -> None:
 
 
 def check_heads(num_heads: int, num_kv_heads: int, differential: bool) -> None:
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
@@ -235,6 +235,14 @@ def check_slot_values(key_cache, slot_mapping) -> None:
             f"slot_mapping holds {slot_mapping[bad].tolist()[:8]} outside [-1, {num_slots}) "
             f"(-1 is PAD_SLOT_ID; {num_slots} = num_blocks x block_size)"
         )
+
+
+def check_distinct_destinations(block_mapping: torch.Tensor) -> None:
+    """Every ``dst`` of ``block_mapping`` at most once (eager only: reads the mapping)."""
+    if block_mapping.numel() and not torch.compiler.is_compiling():
+        dst = block_mapping[:, 1]
+        if dst.unique().numel() != dst.numel():
+            raise ValueError(f"block_mapping destinations must be distinct, got {dst.tolist()[:16]}")
 
 
 def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:

@@ -178,10 +178,9 @@ def test_out_of_vocab_prompt_ids_exit_2(capsys):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--block-size", "0"], "block_size must be >= 1"),
-        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--top-p", "0"], "top_p must lie in"),
         (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "nan"], "temperature must be >= 0"),
         (["--max-new-tokens", "5000"], "exceeds max_model_len=4096"),
     ],
 )
@@ -258,3 +257,37 @@ def test_console_script_subprocess():
     assert lines[1].startswith("[1] 'Paged attention keeps the KV cache in blocks' -> ")
     assert any(line.startswith("prefill: ") and line.endswith("tokens/s") for line in lines)
     assert any(line.startswith("decode: ") and line.endswith("tokens/s") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--block-size", "0"], "argument --block-size: must be >= 1"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
+        (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1"),
+        (["--num-blocks", "0"], "argument --num-blocks: must be >= 1"),
+        (["--profile-steps", "0"], "argument --profile-steps: must be >= 1"),
+        (["--seed", "-1"], r"argument --seed: must lie in \[0, 2\*\*63\)"),
+        (["--seed", str(1 << 63)], "argument --seed: must lie in"),
+        (["--prompt-ids", "1,,2"], "argument --prompt-ids: --prompt-ids takes comma-separated integers"),
+    ],
+)
+def test_bad_option_values_are_argparse_errors_naming_the_option(capsys, args, match):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BASE, *args])
+    assert exit_info.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_unreadable_inputs_are_clean_errors(capsys, tmp_path):
+    assert main([*BASE, "--prompt-file", str(tmp_path)]) == 2  # a directory
+    assert "--prompt-file" in capsys.readouterr().err
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main([*BASE, "--prompt-file", str(binary)]) == 2
+    assert "cannot read it as UTF-8" in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    assert main([*BASE, "--model", str(model)]) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err

@@ -307,3 +307,12 @@ def test_cacheless_forward_with_kv_sharing_is_a_clear_error():
     md = build_metadata([SequenceChunk([1, 2, 3, 4, 5, 6], 0, [0, 1])], 4, 4)
     with torch.inference_mode(), pytest.raises(ValueError, match="kv_caches=None.*kv_sharing"):
         model(md, None, all_logits=True)
+
+
+def test_default_cache_is_capped_and_zero_blocks_refused(model):
+    from compiled_attn.engine import DEFAULT_CACHE_TOKENS
+
+    engine = make_engine(model, max_model_len=64 * 1024, block_size=16)
+    assert engine.kv_cache.allocator.num_blocks == DEFAULT_CACHE_TOKENS // 16
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        make_engine(model, num_blocks=0)

@@ -97,7 +97,7 @@ def test_poisoned_padding_never_changes_real_rows():
         v[unused] = float("nan")
     clean = DecodeBuffers(8, engine.max_blocks_per_seq, engine.kv_cache.block_size, "cuda")
     clean.write(rows, 3)
-    with torch.inference_mode():
+    with torch.no_grad():
         want = decode_step(engine.forward, engine.kv_cache.layers, clean, 3)
     engine.buffers.write(rows, 4)  # one padding row, then poison it
     engine.buffers.input_ids[3] = 7

@@ -366,3 +366,8 @@ def test_attention_constructor_errors(args, kwargs, match):
 def test_odd_head_counts_are_fine_for_plain_attention():
     layer = Attention(48, 3, 1, HEAD)
     assert layer.num_heads == 3 and layer.num_kv_heads == 1
+
+
+def test_zero_heads_is_a_value_error_not_a_division_by_zero():
+    with pytest.raises(ValueError, match="num_heads"):
+        Attention(128, 0, 0)

@@ -246,3 +246,17 @@ def test_other_unsupported_options(ckpt_copy, changes, match):
     edit_config(ckpt_copy, **changes)
     with pytest.raises(ValueError, match=match):
         load_diffllama(ckpt_copy)
+
+
+def test_unreadable_files_and_odd_heads_are_value_errors(ckpt_copy):
+    (ckpt_copy / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load_diffllama(ckpt_copy)
+    edit_config(ckpt_copy, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="even number of query and KV heads"):
+        load_config(ckpt_copy)
+
+
+def test_generation_config_eos_wins(ckpt_copy):
+    (ckpt_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert load_config(ckpt_copy).eos_token_ids == frozenset({5, 7})

@@ -215,3 +215,14 @@ def test_reshape_and_cache_strided_cache_view():
         expected[s // 16, 0, s % 16] = key[t]
         expected[s // 16, 1, s % 16] = value[t]
     assert torch.equal(kv, expected)
+
+
+def test_copy_blocks_refuses_repeated_destinations_and_mismatched_pairs():
+    from compiled_attn.ops import copy_blocks
+
+    k = torch.randn(6, 4, 2, 16)
+    v = torch.randn(6, 4, 2, 16)
+    with pytest.raises(ValueError, match="destinations must be distinct"):
+        copy_blocks([k], [v], torch.tensor([[0, 3], [1, 3]]))
+    with pytest.raises(ValueError, match="value_cache must match key_cache"):
+        copy_blocks([k], [torch.randn(6, 4, 2, 8)], torch.tensor([[0, 3]]))

@@ -296,8 +296,10 @@ def test_copy_and_swap_bad_input(tripwire):
         copy_blocks(kc, vc, torch.tensor([[-1, 2]]))
     with pytest.raises(ValueError, match="block_mapping"):
         copy_blocks(kc, vc, torch.tensor([[0, 1, 2]]))
-    with pytest.raises(ValueError, match="same number of blocks"):
+    with pytest.raises(ValueError, match="value_cache must match key_cache"):
         copy_blocks(kc, [vc[0][:3]], ok)
+    with pytest.raises(ValueError, match="same number of blocks"):
+        copy_blocks(kc + [kc[0][:3]], vc + [vc[0][:3]], ok)
     with pytest.raises(ValueError, match="key_caches"):
         copy_blocks(kc, vc + vc, ok)
     dst = randn_nonzero((2, 16, 2, 16), torch.float32, g)

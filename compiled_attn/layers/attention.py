@@ -49,8 +49,8 @@ class Attention(nn.Module):
         shares_kv_cache: bool = False,
     ) -> None:
         super().__init__()
-        head_size = head_size or hidden_size // num_heads
         check_heads(num_heads, num_kv_heads, differential=False)
+        head_size = head_size or hidden_size // num_heads
         check_head_size("head_size", head_size)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")

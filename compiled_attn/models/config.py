@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ops.validation import check_heads
+
 
 @dataclass
 class DiffLlamaConfig:
@@ -51,10 +53,13 @@ class DiffLlamaConfig:
     lambda_init: float | None = None
 
     def __post_init__(self) -> None:
+        """Fill defaults; raise ValueError for head counts a differential layer can't
+        use and for a bad ``kv_sharing`` map."""
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        check_heads(self.num_attention_heads, self.num_key_value_heads, differential=True)
         self.kv_sharing = {int(k): int(v) for k, v in self.kv_sharing.items()}
         for layer, target in self.kv_sharing.items():
             if not 0 <= target < layer < self.num_hidden_layers or target in self.kv_sharing:

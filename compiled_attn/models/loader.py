@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from einops import rearrange
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .config import DiffLlamaConfig
@@ -39,7 +40,7 @@ def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
         missing = [s for s in shards if not (model_dir / s).exists()]
         if missing:
             raise FileNotFoundError(f"model directory {model_dir} lacks shards listed in {index.name}: {missing}")
@@ -62,7 +63,18 @@ def load_config(model_dir: str | Path) -> DiffLlamaConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
-    return DiffLlamaConfig.from_hf_dict(json.loads(path.read_text()))
+    config = DiffLlamaConfig.from_hf_dict(_read_json(path))
+    generation = Path(model_dir) / "generation_config.json"  # transformers' generate reads EOS here
+    if generation.is_file() and "eos_token_id" in (values := _read_json(generation)):
+        config.eos_token_id = values["eos_token_id"]
+    return config
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -80,13 +92,17 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
 
     Raises:
         FileNotFoundError: missing config or weight files.
-        ValueError: not a DiffLlama, or tensors missing / unexpected / of the wrong shape.
+        ValueError: not a DiffLlama, unreadable JSON or safetensors, or tensors missing /
+            unexpected / of the wrong shape.
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     state = {}
     for path in _weight_files(model_dir):
-        state.update(load_file(path))
+        try:
+            state.update(load_file(path))
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
     for key in list(state):
         proj = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
         if proj in ("q_proj", "k_proj", "v_proj"):
