@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from .engine import Engine
 from .models import DiffLlamaConfig, build_random_model
-from .models.loader import interleaved_to_halves
+from .models.loader import interleaved_to_halves, projection_heads
 from .profiler import StepProfiler, summarize_trace
 from .results import ResultRow, write_results
 from .sampling import SamplingParams
@@ -205,9 +205,8 @@ def _save_as_hf(model, directory: Path) -> None:
     config = model.config
     state = {}
     for name, tensor in model.state_dict().items():
-        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+        heads = projection_heads(name, config)
+        if heads is not None:
             tensor = interleaved_to_halves(tensor, heads)
         state[name] = tensor.contiguous()
     save_file(state, str(directory / "model.safetensors"))

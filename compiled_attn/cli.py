@@ -110,8 +110,8 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in (args.prompt or DEFAULT_PROMPTS)]
 
 
-def generate(args) -> dict:
-    """Run ``generate`` and return the JSON-ready result."""
+def generate(args, tokenizer) -> dict:
+    """Run ``generate`` (text through ``tokenizer``) and return the JSON-ready result."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA device")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
@@ -121,7 +121,6 @@ def generate(args) -> dict:
     else:
         model = load_diffllama(args.model, dtype=dtype, device=args.device)
     load_seconds = time.perf_counter() - start
-    tokenizer = load_tokenizer(args.model)
     prompts = _read_prompts(args, tokenizer)
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
     engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile,
@@ -210,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         return 0
     try:
-        result = generate(args)
+        tokenizer = load_tokenizer(args.model)
+        result = generate(args, tokenizer)
     except (ValueError, FileNotFoundError, OutOfBlocksError) as err:
         print(f"compiled-attn: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result))
     else:
-        tokenizer = load_tokenizer(args.model)
         _print_text(result, [tokenizer.decode(c["prompt_ids"]) for c in result["completions"]])
     return 0
 

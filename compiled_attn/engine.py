@@ -166,10 +166,11 @@ class Engine:
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
         allocator = self.kv_cache.allocator
-        if self._blocks_reserved(request) > allocator.num_blocks:
+        need = self._blocks_reserved(request)
+        if need > allocator.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {len(prompt)} + {params.max_new_tokens} tokens needs "
-                f"{self._blocks_reserved(request)} blocks of {allocator.block_size}, the cache has "
+                f"{need} blocks of {allocator.block_size}, the cache has "
                 f"only {allocator.num_blocks} in all; raise num_blocks or lower max_new_tokens"
             )
         self.waiting.append(request)

@@ -37,6 +37,18 @@ def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rearrange(weight, "(h two d) ... -> (two h d) ...", two=2, h=num_heads // 2)
 
 
+def projection_heads(name: str, config: DiffLlamaConfig) -> int | None:
+    """Heads in the rows of tensor ``name`` when it is a Q/K/V projection weight or bias
+    (the tensors whose head order differs between layouts), else ``None``."""
+    parts = name.split(".")
+    proj = parts[-2] if len(parts) >= 2 else ""
+    if proj == "q_proj":
+        return config.num_attention_heads
+    if proj in ("k_proj", "v_proj"):
+        return config.num_key_value_heads
+    return None
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -104,9 +116,8 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
     for key in list(state):
-        proj = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+        heads = projection_heads(key, config)
+        if heads is not None:
             state[key] = halves_to_interleaved(state[key], heads)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
