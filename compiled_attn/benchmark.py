@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from .engine import Engine
 from .models import DiffLlamaConfig, build_random_model
-from .models.loader import interleaved_to_halves, projection_heads
+from .models.loader import interleaved_to_halves, projection_heads, unfuse_state_dict
 from .profiler import StepProfiler, summarize_trace
 from .results import ResultRow, write_results
 from .sampling import SamplingParams
@@ -100,6 +100,7 @@ def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, 
                                 SamplingParams(max_new_tokens=profile_steps + 2), on_step=profiler.step)
             summary = summarize_trace(profiler.trace_files()[-1])
         result["device_busy"] = summary.device_busy_us / summary.step_us
+        result["kernels_us"] = [(name, us / summary.steps) for name, us in summary.kernels[:15]]
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -134,10 +135,11 @@ def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype
 def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
               modes=("eager", "compiled", "graphs", "reduce-overhead", "hf"),
               results_dir: str | Path = "profiling/results", seed: int = 0,
-              log=print) -> str:
+              log=print, max_batch_size: int = 64) -> str:
     """Measure every mode at every batch size; append each batch size's rows as soon as
     they are measured and return the Markdown tables. A runtime that fails is logged and
-    left out.
+    left out. Engines serve up to ``max(max_batch_size, *batch_sizes)`` rows (the graphs
+    mode captures the default sizes up to that).
 
     Raises:
         ValueError: no CUDA device.
@@ -163,10 +165,13 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                     if mode == "hf":
                         step[mode] = time_hf(Path(model_dir), batch, prompt_len, new_tokens, dtype)
                     else:
-                        res = time_engine(model, mode, batch, prompt_len, new_tokens, max(batch_sizes),
+                        res = time_engine(model, mode, batch, prompt_len, new_tokens,
+                                          max(max_batch_size, *batch_sizes),
                                           profile_steps=16 if mode == "graphs" else 0)
                         step[mode] = res["step_s"]
                         if mode == "graphs":
+                            for name, us in res["kernels_us"]:
+                                log(f"  kernel {us:8.1f} us/step  {name[:110]}")
                             capture = res["capture"]
                             rows.append(ResultRow(f"B={batch} graphs", "device busy / step wall", res["device_busy"], "1", 1.0, ">= 0.9"))
                             if batch == batch_sizes[0]:
@@ -201,10 +206,11 @@ def _ratios(batch: int, step: dict[str, float], floor: float) -> list[ResultRow]
 
 
 def _save_as_hf(model, directory: Path) -> None:
-    """Write our model as a Hugging Face DiffLlama checkpoint (heads back to block halves)."""
+    """Write our model as a Hugging Face DiffLlama checkpoint (fused projections split,
+    heads back to block halves)."""
     config = model.config
     state = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in unfuse_state_dict(model.state_dict(), config).items():
         heads = projection_heads(name, config)
         if heads is not None:
             tensor = interleaved_to_halves(tensor, heads)
@@ -215,7 +221,8 @@ def _save_as_hf(model, directory: Path) -> None:
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "head_dim": config.head_dim, "attention_bias": config.attention_bias,
+        "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": None, "eos_token_id": None,
         "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

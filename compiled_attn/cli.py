@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of the default model)")
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA-graph replay (cuda only)")
+    gen.add_argument("--no-async-decode", action="store_true",
+                     help="read each decode step's tokens before launching the next (no host/device overlap)")
     gen.add_argument("--max-batch-size", type=_positive_int, default=128,
                      help="most sequences decoding at once, also the largest captured graph")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -125,7 +127,8 @@ def generate(args, tokenizer) -> dict:
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
     engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile,
                     max_num_seqs=args.max_batch_size,
-                    cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs)
+                    cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs,
+                    async_decode=not args.no_async_decode)
     if not args.no_compile or engine.cuda_graphs:  # compile and capture before timing
         engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
     if args.profile is None:
@@ -157,6 +160,7 @@ def generate(args, tokenizer) -> dict:
             "decode_tokens": timings.decode_tokens,
             "decode_seconds": timings.decode_seconds,
             "decode_tokens_per_s": timings.decode_tokens_per_s,
+            "overlapped_steps": timings.overlapped_steps,
             "compile_seconds": stats.compile_seconds if stats else 0.0,
         },
         "compile": None if stats is None else {

@@ -7,6 +7,13 @@ run by the compiled model without graphs) or advances every running request by o
 capture size, the compiled model otherwise). Admission reserves the blocks a request can
 ever need (prompt + ``max_new_tokens``), so a running request never runs out of cache;
 requests that do not fit yet wait. Finished requests free their blocks at once.
+
+Decode tokens are read one step late (``async_decode``, vLLM's "async scheduling"): a decode
+step is left in flight, its tokens on their way to pinned host memory, and when the next
+step is a decode over the same rows it is launched before those tokens are read, so the
+host's bookkeeping and launch overlap the device's work. The step advances its own inputs
+on the device (:func:`~compiled_attn.graphs.advance`), which is what lets it run before the
+host has seen the previous tokens. Everything runs in order on one CUDA stream.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -61,14 +69,60 @@ class Request:
 
 
 @dataclass
+class InflightStep:
+    """A launched decode step whose tokens the host has not read yet.
+
+    Attributes:
+        requests: the requests of its rows, in row order.
+        tokens: its sampled tokens ``[rows]`` on the host: pinned memory that a
+            non-blocking device-to-host copy fills (CUDA), or the tokens themselves (CPU).
+        event: recorded on the stream after that copy; ``None`` on the CPU, where the
+            tokens are ready at once.
+    """
+
+    requests: list[Request]
+    tokens: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> "InflightStep":
+        """Start copying the just-launched step's ``tokens`` to the host.
+
+        The copy is enqueued on the stream behind the step and ahead of the next one, so it
+        reads the step's tokens even when ``tokens`` is a graph's static output that the next
+        replay overwrites: no device-side copy is needed.
+        """
+        if not tokens.is_cuda:
+            return cls(requests, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(requests, host, event)
+
+    def read(self) -> list[int]:
+        """The tokens, once the copy (and so the step) has finished on the device."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist()
+
+
+@dataclass
 class Timings:
-    """Wall times (seconds) and token counts of the steps of one :meth:`Engine.generate`."""
+    """Wall times (seconds) and token counts of the steps of one :meth:`Engine.generate`.
+
+    Decode counts cover decode steps launched (``decode_steps``; ``overlapped_steps`` of
+    them launched before the previous step's tokens were read) and tokens delivered
+    (``decode_tokens``: a token sampled past an EOS is dropped, not counted);
+    ``decode_seconds`` is the wall time spent launching decode steps and reading their tokens.
+    """
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    overlapped_steps: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -99,6 +153,9 @@ class Engine:
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA models).
         capture_sizes: batch sizes to capture; default
             :func:`~compiled_attn.graphs.default_capture_sizes` up to ``max_num_seqs``.
+        async_decode: read a decode step's tokens one step late, launching the next decode
+            step first when it can (see :meth:`step`); off, each decode step waits for its
+            own tokens.
 
     Raises:
         ValueError: bad sizes, CUDA graphs asked for a CPU model.
@@ -107,7 +164,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, *, max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 128,
                  compile: bool = True, compile_kwargs: dict | None = None,
-                 cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None) -> None:
+                 cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
+                 async_decode: bool = True) -> None:
         config = model.config
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
@@ -137,11 +195,13 @@ class Engine:
         self.capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs))
         self.graph_runner: CUDAGraphRunner | None = None
         self.capture_stats: CaptureStats | None = None
+        self.async_decode = async_decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.timings = Timings()
         self._ids = itertools.count()
         self._decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in buffers
+        self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
 
     # --- requests ---------------------------------------------------------------------
 
@@ -189,53 +249,127 @@ class Engine:
             )
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a :meth:`step` has work left: waiting or running requests, or a decode
+        step in flight (whose tokens may still finish requests or have to be dropped)."""
+        return bool(self.waiting or self.running) or self._inflight is not None
 
     def _blocks_reserved(self, request: Request) -> int:
         """Blocks ``request`` can ever hold: prompt + max_new_tokens (+1 for the advance)."""
         tokens = min(len(request.prompt_ids) + request.params.max_new_tokens + 1, self.max_model_len)
         return -(-tokens // self.kv_cache.block_size)
 
-    def _admit(self) -> list[Request]:
+    def _num_admissible(self) -> int:
+        """How many requests at the front of the queue fit now, beside the blocks the running
+        ones may still claim and within ``max_num_seqs``."""
         allocator = self.kv_cache.allocator
         outstanding = sum(self._blocks_reserved(r) - len(allocator.block_tables.get(r.request_id, ()))
                           for r in self.running)
         free = allocator.num_free_blocks - outstanding
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            need = self._blocks_reserved(self.waiting[0])
-            if need > free:
+        count = 0
+        for request in self.waiting:
+            need = self._blocks_reserved(request)
+            if len(self.running) + count >= self.max_num_seqs or need > free:
                 break
             free -= need
-            admitted.append(self.waiting.popleft())
-        return admitted
+            count += 1
+        return count
+
+    def _admit(self) -> list[Request]:
+        return [self.waiting.popleft() for _ in range(self._num_admissible())]
 
     # --- steps ------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one prefill or one decode step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it (their last token was read).
+
+        With ``async_decode`` a decode step stays in flight after its launch and its tokens
+        are read by the next call. That call, when it would run a decode over the same rows
+        anyway (:meth:`_can_overlap`), launches it first and then reads the in-flight step's
+        tokens, so the host works while the device runs. Otherwise it drains the in-flight
+        step first (reads, appends, finishes), then prefills the admitted requests or
+        launches a decode step as a synchronous engine would. A request may thus have one
+        token too many sampled (past an EOS that was not read yet); :meth:`_drain` drops it,
+        so every output equals a synchronous engine's.
+        """
+        if self._can_overlap():
+            with self._decode_phase():
+                launched = self._launch_decode(ahead=1)
+                finished = self._drain()
+                self._inflight = launched
+            self.timings.overlapped_steps += 1
+            return finished
+        finished = []
+        if self._inflight is not None:
+            with self._decode_phase():
+                finished = self._drain()
         admitted = self._admit()
-        start = time.perf_counter()
         if admitted:
+            start = time.perf_counter()
             with record_function("prefill"):
                 tokens = self._prefill(admitted)
             self.running.extend(admitted)
-            batch = admitted
+            finished += self._finish([r for r, t in zip(admitted, tokens) if self._append(r, t)])
             self.timings.prefill_tokens += sum(len(r.prompt_ids) for r in admitted)
             self.timings.prefill_seconds += time.perf_counter() - start
         elif self.running:
             if self.cuda_graphs and self.graph_runner is None:
                 self.capture()
-                start = time.perf_counter()
-            with record_function("decode_step"):
-                tokens = self._decode(self.running)
-            batch = list(self.running)
-            self.timings.decode_tokens += len(batch)
-            self.timings.decode_steps += 1
-            self.timings.decode_seconds += time.perf_counter() - start
-        else:
-            return []
-        finished = [r for r, t in zip(batch, tokens) if self._append(r, t)]
+            with self._decode_phase():
+                self._inflight = self._launch_decode(ahead=0)
+                if not self.async_decode:
+                    finished += self._drain()
+        return finished
+
+    def _can_overlap(self) -> bool:
+        """Whether the next decode step can be launched before the in-flight step's tokens
+        are read: it is the step that draining first would launch (but for rows that an
+        in-flight EOS ends), on the inputs the device already holds.
+
+        That holds when the in-flight step's rows are still exactly the running requests
+        (so the buffers it advanced on the device are the next step's inputs, and no row
+        needs rewriting from the host), no waiting request can be admitted (no prefill comes
+        first), and no row reaches ``max_new_tokens`` with the in-flight token (it would
+        leave the batch). Only an EOS among the in-flight tokens is unknown; see :meth:`step`.
+        """
+        inflight = self._inflight
+        return (self.async_decode and inflight is not None
+                and [r.request_id for r in inflight.requests] == [r.request_id for r in self.running]
+                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in self.running)
+                and self._num_admissible() == 0)
+
+    @contextmanager
+    def _decode_phase(self):
+        """Label (``decode_step``) and time (``Timings.decode_seconds``) decode launches and reads."""
+        start = time.perf_counter()
+        with record_function("decode_step"):
+            yield
+        self.timings.decode_seconds += time.perf_counter() - start
+
+    def _drain(self) -> list[Request]:
+        """Wait for the in-flight step's tokens, append them and finish requests; returns
+        the finished ones.
+
+        A row whose request has finished already (by an EOS read from the step before,
+        while this one was in flight) sampled past its end: its token is dropped.
+        """
+        inflight, self._inflight = self._inflight, None
+        finished = []
+        for request, token in zip(inflight.requests, inflight.read()):
+            if request.finish_reason is None:
+                self.timings.decode_tokens += 1
+                if self._append(request, token):
+                    finished.append(request)
+        return self._finish(finished)
+
+    def _finish(self, finished: list[Request]) -> list[Request]:
+        """Take finished requests out of the batch and free their blocks; returns them.
+
+        A decode step still in flight may write the K/V of a request finished here (the
+        step sampling past its EOS). Freeing its blocks now is safe only because all the
+        engine's device work (prefill, decode steps and replays, block-table and buffer
+        writes) is enqueued on one stream, in order: whatever reuses these blocks is
+        enqueued later, so it runs after that step.
+        """
         for r in finished:
             self.running.remove(r)
             self.kv_cache.allocator.free(r.request_id)
@@ -263,19 +397,29 @@ class Engine:
             )
         return tokens.tolist()
 
-    def _decode(self, requests: list[Request]) -> list[int]:
-        """One token for every running request through the static decode buffers."""
-        allocator, block_size = self.kv_cache.allocator, self.kv_cache.block_size
+    def _launch_decode(self, ahead: int) -> InflightStep:
+        """Launch one decode step (one token for every running request) through the static
+        decode buffers; returns it in flight.
+
+        ``ahead`` is how many tokens the device is past the host's ``output_ids`` (1 while
+        a step is in flight: its advance already moved the buffers), so this step feeds
+        position ``num_tokens - 1 + ahead`` and its advance addresses the one after.
+        """
+        requests = list(self.running)
+        allocator = self.kv_cache.allocator
         rows = len(requests)
         size = self._graph_size(rows)
         layout = (tuple(r.request_id for r in requests), size or rows)
         new_blocks = []
-        for row, r in enumerate(requests):  # room for this token and the advance's next slot
+        # Room for the token in flight, this one and the advance's next slot: within the
+        # request's reservation, as an overlapped step never runs past max_new_tokens.
+        for row, r in enumerate(requests):
             table = allocator.block_tables[r.request_id]
             before = len(table)
-            allocator.allocate(r.request_id, min(r.num_tokens + 1, self.max_model_len))
+            allocator.allocate(r.request_id, min(r.num_tokens + ahead + 1, self.max_model_len))
             new_blocks += [(row, i, table[i]) for i in range(before, len(table))]
         if layout != self._decode_layout:
+            assert ahead == 0, "decode rows change only after a drain, when the host is current"
             self.buffers.write([r.decode_row(allocator.block_tables[r.request_id]) for r in requests], layout[1])
             self._decode_layout = layout
         else:
@@ -287,7 +431,8 @@ class Engine:
                     tokens = self.graph_runner.replay(size)[:rows]
             else:
                 tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
-        return tokens.tolist()
+        self.timings.decode_steps += 1
+        return InflightStep.launch(requests, tokens)
 
     def _graph_size(self, rows: int) -> int | None:
         """The capture size this batch replays, or ``None`` to run without graphs."""
@@ -348,11 +493,14 @@ class Engine:
         try:
             requests = [self.add_request(prompt, p, seed * 1_000_003 + i, name=f"prompts[{i}]")
                         for i, (prompt, p) in enumerate(zip(prompts, params))]
-            while self.has_unfinished():
+            while self.has_unfinished():  # true while a step is in flight: ends drained
                 self.step()
                 if on_step is not None:
                     on_step()
         finally:
+            # After an error a decode step may still be in flight: drop it (freeing the
+            # blocks it writes is safe, see _finish).
+            self._inflight = None
             for r in [*self.waiting, *self.running]:
                 self.kv_cache.allocator.free(r.request_id)
             self.waiting.clear()

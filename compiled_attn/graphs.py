@@ -218,8 +218,12 @@ class CUDAGraphRunner:
         return CaptureStats(list(self.sizes), time.perf_counter() - start, pool_bytes)
 
     def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size``; returns a copy of its output (the static output
-        is overwritten by the next replay)."""
+        """Replay the graph of ``size`` on the current stream; returns its static output.
+
+        The tensor is the graph's own, not a copy: the next replay of any size may overwrite
+        it (the graphs share one memory pool). Read it by work enqueued on the same stream
+        before that replay, e.g. a non-blocking copy to host memory, as the engine does.
+        """
         graph, out = self.graphs[size]
         graph.replay()
-        return out.clone()
+        return out

@@ -63,11 +63,11 @@ def seed_decode(query, key_cache, value_cache, cu, seq_lens, table, lam):
     return _subln(first - lam[:, None] * second)
 
 
-def decode_rows(bandwidth: float, batches=(1, 16, 64, 256)) -> list[ResultRow]:
+def decode_rows(bandwidth: float, batches=(1, 16, 64, 256), contexts=(1024, 4096, 16384)) -> list[ResultRow]:
     rows = []
     lam = torch.rand(HQ // 2, device="cuda")
     for batch in batches:
-        for context in (1024, 4096, 16384):
+        for context in contexts:
             args = decode_inputs(batch, context)
             kv_bytes = 2 * batch * context * HKV * D * args[1].element_size()
             plain = _graph_ms(lambda: triton_kernels.paged_attention(*args))
@@ -154,9 +154,10 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
                         choices=["decode", "prefill", "cache"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    parts = {"decode": lambda: decode_rows(bandwidth, args.batches), "prefill": prefill_rows,
+    parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
              "cache": lambda: cache_rows(bandwidth)}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU work of the project, in stages that each fit one call of the device tool:
-#   bash profiling/gpu_suite.sh tests   # kernel tests (pytest -m gpu, interpreter tests compiled), then engine
-#   bash profiling/gpu_suite.sh engine  # engine tests (pytest -m gpu), CLI on cuda, a trace and its timeline
-#   bash profiling/gpu_suite.sh bench   # profiling/bench_kernels.py, then compiled-attn bench
+#   bash profiling/gpu_suite.sh kernels  # kernel tests (pytest -m gpu, interpreter tests compiled),
+#                                        # a memcheck run of decode cases, profiling/bench_kernels.py
+#   bash profiling/gpu_suite.sh engine   # engine tests (pytest -m gpu), CLI on cuda, a split-count
+#                                        # sweep, a trace and its timeline
+#   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh tests|bench}
+stage=${1:?usage: gpu_suite.sh kernels|engine|decode [B ...]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -22,32 +24,50 @@ run() {  # run NAME SECONDS COMMAND...: append to $out/NAME.log, remember failur
     echo "== $name $*" | tee -a "$out/$name.log"
     timeout "$seconds" "$@" >> "$out/$name.log" 2>&1 || { status=1; echo "FAILED ($name), tail:"; tail -n 12 "$out/$name.log"; }
 }
-if [ "$stage" = tests ]; then
+case $stage in
+kernels)
+    mkdir -p "$out/results"
     parallel=()
     python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
     run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu "$repo/tests/test_gpu_kernels.py"
     run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py"
-    stage=engine
-fi
-if [ "$stage" = engine ]; then
+    # Out-of-bounds accesses in the decode cases that once died with an illegal address.
+    run memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$repo/profiling/bench_kernels.py" \
+        --results-dir /tmp/memcheck --parts decode --batches 1 64 --contexts 1024
+    # One process per part: a failing case (a CUDA error poisons its process) spares the others.
+    for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache; do
+        run bench_kernels 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
+    done
+    echo "== summary"
+    for f in "$out"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+    echo "memcheck: $(grep -m1 "ERROR SUMMARY\|not supported\|FAILED" "$out/memcheck.log")"
+    cat "$out/results/kernels.md"
+    ;;
+engine)
     run pytest_gpu_engine 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_engine.py"
     run cli_generate_cuda 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32
+    run split_sweep 120 python3 "$repo/profiling/tile_sweep.py" --splits
     run trace_decode 150 python3 "$repo/profiling/trace_decode.py" --device cuda --out "$out/trace" --timeline "$out/timeline.png"
     echo "== summary"
     for f in "$out"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
     python3 -c "import json,sys; r=json.loads(open('$out/cli_generate_cuda.log').read().splitlines()[-1]); print('generate cuda:', r['timings'], r['compile'], r['cuda_graphs'])" || true
     grep -A12 "profiled steps" "$out/trace_decode.log" | head -16
+    grep -A3 "== splits" "$out/split_sweep.log"
     rm -rf "$out/trace"  # the trace is large; the timeline and the summary came back
-else
+    ;;
+decode)
     mkdir -p "$out/results"
-    # One process per part: a failing case (a CUDA error poisons its process) spares the others.
-    for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache; do
-        run bench_kernels 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
+    shift
+    batches="${*:-}"
+    for batch in ${batches:-1 64}; do
+        run bench_decode 420 python3 -m compiled_attn.cli bench --batch-sizes "$batch" --results-dir "$out/results"
     done
-    [ "${KERNELS_ONLY:-0}" = 1 ] && { cat "$out/results/kernels.md"; exit $status; }
-    run bench_decode 330 python3 -m compiled_attn.cli bench --results-dir "$out/results"
     echo "== summary"
-    grep -h "FAILED\|ms/step\|bandwidth" "$out/bench_decode.log" | head -20
-    cat "$out/results/kernels.md" "$out/results/decode.md" 2>/dev/null
-fi
+    grep -h "FAILED\|ms/step\|bandwidth\|kernel" "$out/bench_decode.log" | head -40
+    cat "$out/results/decode.md" 2>/dev/null
+    ;;
+*)
+    echo "unknown stage $stage"; exit 2
+    ;;
+esac
 exit $status

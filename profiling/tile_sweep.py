@@ -7,11 +7,15 @@ sets the flash-decoding splits) replaces the shape heuristic of
 (relative L2 < 1e-2) and timed (decode: CUDA-graph replay; prefill: ``do_bench``;
 medians). The current heuristic's choice is marked ``*``.
 
-    python profiling/tile_sweep.py
+With ``--splits`` it sweeps the flash-decoding split count instead (default tiles, the
+heuristic's count marked ``*``) over small-batch decode shapes.
+
+    python profiling/tile_sweep.py [--splits]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -67,7 +71,7 @@ def decode_regime(batch, context, differential):
     def run():
         return triton_kernels.paged_attention(*args, lam)
     tile_ns = (32, 64) if differential else (64, 128)
-    candidates = [config.TileConfig(16, n, w, s, pps) for n, w, s, pps in
+    candidates = [config.TileConfig(16, n, w, s, pps, stacked=differential) for n, w, s, pps in
                   itertools.product(tile_ns, (4, 8), (2, 3), (4, 8))
                   if w == 4 or n == 64]
     sweep(f"decode B={batch} ctx={context} {'differential' if differential else 'plain'}",
@@ -99,9 +103,35 @@ def prefill_regime(differential):
           [config.TileConfig(*shape, programs_per_sm=1) for shape in shapes], graph=False)
 
 
+def split_regime(batch, context, differential):
+    """Time every split count from 1 to ``config.MAX_SPLITS`` (powers of two) with the
+    heuristic's tiles; ``*`` marks the heuristic's count."""
+    args = decode_inputs(batch, context)
+    lam = torch.rand(NUM_HEADS // 2, device="cuda") if differential else None
+    chosen = attention.launch_plan(args[0], NUM_KV_HEADS, batch, args[5].shape[1] * BLOCK_SIZE,
+                                   differential).num_splits
+    rows = []
+    for splits in sorted({2 ** i for i in range(7)} | {chosen}):
+        ms = do_bench_cudagraph(lambda: triton_kernels.paged_attention(*args, lam, num_splits=splits),
+                                rep=50, return_mode="median")
+        rows.append((ms, f"{'*' if splits == chosen else ' '}splits={splits}"))
+    kind = "differential" if differential else "plain"
+    print(f"\n== splits, decode B={batch} ctx={context} {kind}")
+    for ms, label in sorted(rows):
+        print(f"{ms * 1e3:8.2f} us  {label}")
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splits", action="store_true", help="sweep split counts instead of tiles")
+    args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}; Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_SIZE} "
           f"block={BLOCK_SIZE} {DTYPE}")
+    if args.splits:
+        for batch, context in ((1, 1024), (1, 4096), (1, 16384), (16, 1024), (64, 1024)):
+            for differential in (False, True):
+                split_regime(batch, context, differential)
+        return
     for differential in (False, True):
         decode_regime(8, 8192, differential)
         decode_regime(64, 2048, differential)

@@ -38,6 +38,7 @@ def test_prompt_ids_json(capsys):
         assert c["finish_reason"] == "length"
     t = result["timings"]
     assert t["prefill_tokens"] == 5 and t["decode_tokens"] == 6
+    assert t["overlapped_steps"] == 2  # decode steps 2 and 3 launched before their predecessor was read
     assert t["prefill_tokens_per_s"] > 0 and t["decode_tokens_per_s"] > 0
     assert t["load_seconds"] >= 0 and t["compile_seconds"] == 0.0
     assert result["compile"] is None
@@ -46,6 +47,14 @@ def test_prompt_ids_json(capsys):
     expected, _ = Engine(model, compile=False, max_model_len=64).generate(
         [[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=4))
     assert [c["generated_ids"] for c in completions] == [c.output_ids for c in expected]
+
+
+def test_no_async_decode_gives_the_same_tokens_without_overlap(capsys):
+    args = ("--max-new-tokens", "5", "--prompt-ids", "1,2,3", "--prompt-ids", "7,8")
+    overlapped = run_json(capsys, *args)
+    synchronous = run_json(capsys, *args, "--no-async-decode")
+    assert overlapped["timings"]["overlapped_steps"] == 3 and synchronous["timings"]["overlapped_steps"] == 0
+    assert synchronous["completions"] == overlapped["completions"]
 
 
 def test_text_prompts_are_utf8_bytes(capsys):

@@ -65,10 +65,13 @@ def softmax_attn(q, k, window):
 
 
 def project_qkv(q_layer, x_q, kv_layer, x_kv, positions, base):
+    """Rows of ``qkv_proj`` are ``[Q | K | V]``; a KV-sharing layer has only ``q_proj``."""
     H, Hkv = q_layer.num_heads, kv_layer.num_kv_heads
-    q = rope(linear(x_q, q_layer.q_proj).view(len(x_q), H, HEAD), positions, base)
-    k = rope(linear(x_kv, kv_layer.k_proj).view(len(x_kv), Hkv, HEAD), positions, base)
-    v = linear(x_kv, kv_layer.v_proj).view(len(x_kv), Hkv, HEAD)
+    q = linear(x_q, q_layer.q_proj if q_layer.shares_kv_cache else q_layer.qkv_proj)[:, :H * HEAD]
+    kv = linear(x_kv, kv_layer.qkv_proj)[:, kv_layer.num_heads * HEAD:]
+    q = rope(q.reshape(len(x_q), H, HEAD), positions, base)
+    k = rope(kv[:, :Hkv * HEAD].reshape(len(x_kv), Hkv, HEAD), positions, base)
+    v = kv[:, Hkv * HEAD:].reshape(len(x_kv), Hkv, HEAD)
     return q, k, v
 
 
@@ -278,8 +281,8 @@ def test_plain_sliding_window_limits_attention():
 def test_kv_sharing_layer_reads_the_owner_cache():
     owner = make_diff(4, 2, seed=8)
     sharer = make_diff(4, 2, seed=9, shares_kv_cache=True, depth=2)
-    assert not hasattr(sharer, "k_proj") and not hasattr(sharer, "v_proj")
-    assert not any(".k_proj" in k or ".v_proj" in k or k.startswith(("k_proj", "v_proj")) for k in sharer.state_dict())
+    assert not hasattr(sharer, "qkv_proj") and sharer.q_proj.weight.shape == (4 * HEAD, HIDDEN)
+    assert not any("qkv_proj" in k or "k_proj" in k or "v_proj" in k for k in sharer.state_dict())
     gen = torch.Generator().manual_seed(3)
     run = PagedRun(2)
     kv = run.cache.layers[0]
@@ -321,6 +324,9 @@ def test_kv_sharing_layer_without_cache_raises():
 def test_plain_attention_gqa_matches_naive(num_heads, num_kv_heads):
     torch.manual_seed(10)
     layer = Attention(HIDDEN, num_heads, num_kv_heads, HEAD, bias=True).eval()
+    assert layer.qkv_proj.weight.shape == ((num_heads + 2 * num_kv_heads) * HEAD, HIDDEN)
+    assert layer.qkv_proj.bias.shape == ((num_heads + 2 * num_kv_heads) * HEAD,)
+    assert not hasattr(layer, "q_proj")
     check_steps(layer, naive_plain, num_kv_heads)
 
 

@@ -1,8 +1,11 @@
-"""Checkpoint loading: the head permutation and every error of load_diffllama."""
+"""Checkpoint loading: the head permutation, the projection fusion and every error of
+load_diffllama."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,9 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from compiled_attn.benchmark import _save_as_hf
 from compiled_attn.metadata import SequenceChunk, build_metadata
-from compiled_attn.models import load_diffllama
-from compiled_attn.models.loader import halves_to_interleaved, interleaved_to_halves, load_config
+from compiled_attn.models import DiffLlamaConfig, DiffLlamaForCausalLM, build_random_model, load_diffllama
+from compiled_attn.models.loader import (
+    fuse_state_dict, halves_to_interleaved, interleaved_to_halves, load_config, unfuse_state_dict,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +95,9 @@ def test_load_permutes_qkv_and_keeps_the_rest(checkpoint):
     model = load_diffllama(checkpoint)
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
-    ours = model.state_dict()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in model.state_dict()
+    ours = unfuse_state_dict(model.state_dict(), model.config)
+    assert ours.keys() == hf_state.keys()
     assert model.config.num_attention_heads == NUM_HEADS and model.config.head_dim == 8
     assert model.config.eos_token_ids == frozenset({2})
     for key, value in hf_state.items():
@@ -115,8 +123,12 @@ def test_loaded_model_matches_transformers_logits(checkpoint, tmp_path, bias):
                     param.normal_(0, 0.5)
         biased.save_pretrained(tmp_path)
         checkpoint = tmp_path
+    assert_matches_transformers(load_diffllama(checkpoint), checkpoint)
+
+
+def assert_matches_transformers(model, checkpoint: Path) -> None:
+    """Our model's logits equal those of transformers' DiffLlama loaded from ``checkpoint``."""
     hf = transformers.DiffLlamaForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-    model = load_diffllama(checkpoint)
     ids = [3, 17, 9, 40, 5, 22]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
@@ -124,6 +136,66 @@ def test_loaded_model_matches_transformers_logits(checkpoint, tmp_path, bias):
     with torch.inference_mode():
         got = model(md, None, all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _hf_state(bias: bool, kv_heads: int, kv_sharing: dict[int, int]):
+    """A transformers DiffLlama's state dict (Hugging Face names) and our config of it; the
+    K/V projections of ``kv_sharing`` layers are dropped, as such a layer has none."""
+    torch.manual_seed(3)
+    hf = transformers.DiffLlamaForCausalLM(hf_config(attention_bias=bias, num_key_value_heads=kv_heads,
+                                                     num_hidden_layers=3))
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    if bias:
+        state.update({k: torch.randn_like(v) for k, v in state.items() if k.endswith("bias")})
+    for layer in kv_sharing:
+        for name in ("k_proj", "v_proj"):
+            for suffix in ("weight", "bias"):
+                state.pop(f"model.layers.{layer}.self_attn.{name}.{suffix}", None)
+    config = DiffLlamaConfig.from_hf_dict(hf.config.to_dict())
+    return state, dataclasses.replace(config, kv_sharing=kv_sharing)
+
+
+@pytest.mark.parametrize("bias, kv_heads, kv_sharing", [(False, NUM_KV_HEADS, {}), (True, NUM_KV_HEADS, {}),
+                                                        (True, 2, {2: 0}), (False, NUM_HEADS, {1: 0, 2: 0})])
+def test_fuse_unfuse_round_trip(bias, kv_heads, kv_sharing):
+    hf_state, config = _hf_state(bias, kv_heads, kv_sharing)
+    before = {k: v.clone() for k, v in hf_state.items()}
+    fused = fuse_state_dict(hf_state, config)
+    assert hf_state.keys() == before.keys() and all(torch.equal(hf_state[k], before[k]) for k in before)
+    model_state = DiffLlamaForCausalLM(config).state_dict()
+    assert fused.keys() == model_state.keys()
+    assert all(fused[k].shape == v.shape for k, v in model_state.items())
+    layer = "model.layers.0."  # never a sharing layer: rows stacked in Q, K, V / gate, up order
+    for suffix in ("weight", "bias") if bias else ("weight",):
+        parts = [hf_state[f"{layer}self_attn.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(fused[f"{layer}self_attn.qkv_proj.{suffix}"], torch.cat(parts))
+    parts = [hf_state[f"{layer}mlp.{p}.weight"] for p in ("gate_proj", "up_proj")]
+    assert torch.equal(fused[f"{layer}mlp.gate_up_proj.weight"], torch.cat(parts))
+    back = unfuse_state_dict(fused, config)
+    assert back.keys() == before.keys()
+    assert all(torch.equal(back[k], before[k]) and back[k].dtype == before[k].dtype for k in before)
+    ours = build_random_model(config, seed=1).state_dict()
+    refused = fuse_state_dict(unfuse_state_dict(ours, config), config)
+    assert refused.keys() == ours.keys() and all(torch.equal(refused[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_saved_hf_checkpoint_round_trips_and_matches_transformers(tmp_path, bias):
+    """Our model written by the benchmark's HF writer (unfuse + halves) loads back exactly
+    and gives transformers' logits."""
+    config = DiffLlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+                             attention_bias=bias, bos_token_id=None, eos_token_id=None)
+    model = build_random_model(config, seed=2)
+    with torch.no_grad():  # build_random_model zeroes biases
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    _save_as_hf(model, tmp_path)
+    loaded = load_diffllama(tmp_path).state_dict()
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert_matches_transformers(model, tmp_path)
 
 
 def test_load_bfloat16(checkpoint):
@@ -198,6 +270,21 @@ def test_sharded_checkpoint_loads(checkpoint, ckpt_copy):
 def test_missing_tensor_is_listed(ckpt_copy):
     edit_weights(ckpt_copy, lambda s: s.pop("model.layers.1.self_attn.lambda_k2"))
     with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.lambda_k2'\]"):
+        load_diffllama(ckpt_copy)
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+                                 "model.layers.1.mlp.up_proj.weight"])
+def test_missing_fused_part_is_named_as_in_the_checkpoint(ckpt_copy, key):
+    edit_weights(ckpt_copy, lambda s: s.pop(key))
+    with pytest.raises(ValueError, match=rf"missing \[{re.escape(repr(key))}\]") as err:
+        load_diffllama(ckpt_copy)
+    assert "qkv_proj" not in str(err.value) and "gate_up_proj" not in str(err.value)
+
+
+def test_wrong_shape_of_a_fused_part_is_named_as_in_the_checkpoint(ckpt_copy):
+    edit_weights(ckpt_copy, lambda s: s.__setitem__("model.layers.0.self_attn.v_proj.weight", torch.ones(8, 64)))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight \[8, 64\] \(expected \[32, 64\]\)"):
         load_diffllama(ckpt_copy)
 
 

@@ -174,6 +174,41 @@ def test_differential_paged_options():
     run_paged(batch, make_lambda(4, per_pair=False), causal=False, window_size=(3, 5))
 
 
+# Decode rows, a padded row, a multi-token row longer than a stacked tile's 8 // pairs-per-KV-pair
+# tokens, a row with no query: few query rows per sequence, so the differential tiles stack.
+DECODE_ROWS = [(70, 1), (5, 1), (33, 1), pad(1), (0, 1), (17, 0), (1, 1)]
+DECODE_MIX = DECODE_ROWS + [(40, 7)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (16, 2)],
+                         ids=["pair-gqa1", "pair-gqa2", "pair-gqa4", "pair-gqa8"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+def test_differential_stacked_decode(dtype, num_heads, num_kv_heads, num_splits):
+    """Stacked q1/q2 rows (decode-shaped differential tiles) against the oracle, with and
+    without flash-decoding, per-pair and scalar lambda, and with every option at once."""
+    # 8 pairs per KV pair fill a stacked tile's 8 rows with one token: decode rows only
+    seqs = DECODE_ROWS if num_heads // num_kv_heads == 8 else DECODE_MIX
+    batch = make_paged_batch(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=32, dtype=dtype, seed=num_heads + num_splits,
+                             unused_fill="nan", value_scale=2.0)
+    group_pad = num_heads // num_kv_heads
+    assert choose_tiles(batch.num_tokens, batch.num_seqs, group_pad, 32, True, dtype).stacked
+    run_paged(batch, make_lambda(num_heads, per_pair=True), num_splits=num_splits)
+    run_paged(batch, make_lambda(num_heads, per_pair=False), num_splits=num_splits,
+              window_size=(9, -1), softcap=3.0, alibi_slopes=alibi_slopes(num_heads))
+
+
+def test_stacking_is_for_decode_tiles_only():
+    """Tiles stack q1 over q2 rows only when one component fills at most half of 16 rows."""
+    def stacked(num_tokens, num_seqs, group_pad):
+        return choose_tiles(num_tokens, num_seqs, group_pad, 128, True, torch.bfloat16).stacked
+
+    assert stacked(64, 64, 4) and stacked(1, 1, 8) and stacked(16, 8, 2)
+    assert not stacked(64, 64, 16) and not stacked(4096, 2, 4) and not stacked(24, 8, 4)
+    assert not choose_tiles(64, 64, 4, 128, False, torch.bfloat16).stacked
+
+
 def run_varlen(batch, lambda_full=None, **options):
     args = on_device(*batch.attention_args())
     (lam,) = on_device(lambda_full)
@@ -241,7 +276,11 @@ def test_split_heuristic_reads_shapes_only():
     """Few programs and long block tables split; full grids and short tables do not."""
     decode = dict(num_tokens=1, block_q=4, num_kv_units=8, programs_per_sm=8, num_sms=132)
     assert 8 < choose_num_splits(num_seqs=1, max_kv_len=32768, **decode) <= MAX_SPLITS
-    assert choose_num_splits(num_seqs=1, max_kv_len=256, **decode) == 1
+    assert choose_num_splits(num_seqs=1, max_kv_len=64, **decode) == 1
+    # A lone sequence of 1024 keys: 8 programs on 132 multiprocessors split to 16 of 64 keys.
+    assert choose_num_splits(num_seqs=1, max_kv_len=1024, **decode) == 16
+    # 64 sequences fill the multiprocessors: splits only add whole waves in flight.
+    assert choose_num_splits(num_seqs=64, max_kv_len=1024, **{**decode, "num_tokens": 64}) == 2
     assert choose_num_splits(num_seqs=256, num_tokens=256, block_q=4, num_kv_units=8,
                              max_kv_len=32768, programs_per_sm=4, num_sms=132) == 1
     tiles = choose_tiles(num_tokens=8, num_seqs=8, group_pad=4, head_size_pad=128,

@@ -1,11 +1,13 @@
 """Multi-head attention (MHA / GQA / MQA) over the ``compiled_attn`` ops.
 
-The layer projects Q/K/V, applies RoPE, writes K/V into its paged cache with
+The layer projects Q/K/V with one GEMM (``qkv_proj``, rows ``[Q | K | V]``, as vLLM's
+``QKVParallelLinear``), applies RoPE, writes K/V into its paged cache with
 ``reshape_and_cache`` and attends with one op call: ``varlen_attention`` over the fresh
 K/V when the batch is a pure prefill (or there is no cache), ``paged_attention`` over the
 cache otherwise (decode, chunked prefill, prefix hits, mixed batches). A layer that
 *shares* another layer's cache (cross-layer / YOCO KV sharing, as vLLM's
-``kv_sharing_target_layer_name``) projects only Q and reads that cache.
+``kv_sharing_target_layer_name``) projects only Q, with a plain ``q_proj``, and reads that
+cache.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
 
 class Attention(nn.Module):
     """Attention layer; input and output ``[T, hidden_size]``.
+
+    Parameters: ``qkv_proj`` (weight ``[(Hq + 2 * Hkv) * D, hidden_size]``, rows Q, K, V;
+    vLLM ``QKVParallelLinear``), or only ``q_proj`` (``[Hq * D, hidden_size]``) when
+    ``shares_kv_cache``; ``o_proj`` (``[hidden_size, Hq * D]``).
 
     Args:
         hidden_size: model width.
@@ -56,23 +62,29 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.shares_kv_cache = shares_kv_cache
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_size, bias=bias)
-        if not shares_kv_cache:
-            self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=bias)
-            self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_size, hidden_size, bias=bias)
+        q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+        if shares_kv_cache:
+            self.q_proj = nn.Linear(hidden_size, q_size, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden_size, bias=bias)
         self.rotary = RotaryEmbedding(head_size, rope_theta) if rope_theta is not None else None
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attn_options = dict(scale=head_size ** -0.5, causal=causal, window_size=window, softcap=softcap)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated."""
-        q = self.q_proj(hidden).unflatten(-1, (self.num_heads, self.head_size))
+        """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated.
+
+        Without RoPE Q and K, and V always, are strided views of the one ``qkv_proj`` output
+        (the ops read strides).
+        """
         if self.shares_kv_cache:
+            q = self.q_proj(hidden).unflatten(-1, (self.num_heads, self.head_size))
             return (*self._rotate(positions, q), None, None)
-        k = self.k_proj(hidden).unflatten(-1, (self.num_kv_heads, self.head_size))
-        v = self.v_proj(hidden).unflatten(-1, (self.num_kv_heads, self.head_size))
+        # Heads first, then split: a view of a non-contiguous split would specialize T != 1.
+        qkv = self.qkv_proj(hidden).unflatten(-1, (-1, self.head_size))
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self._rotate(positions, q, k)
         return q, k, v
 

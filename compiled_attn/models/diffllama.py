@@ -2,8 +2,11 @@
 
 Llama (RMSNorm, RoPE, SwiGLU MLP, pre-norm residual blocks) with
 :class:`~compiled_attn.layers.DifferentialAttention` in every layer, as Hugging Face
-``DiffLlamaForCausalLM``. Module names match that implementation, so its state dict loads
-as is, apart from the head order (see :mod:`compiled_attn.models.loader`).
+``DiffLlamaForCausalLM``. Module names match that implementation except for two fused
+projections per layer, ``self_attn.qkv_proj`` (``q_proj``, ``k_proj``, ``v_proj``) and
+``mlp.gate_up_proj`` (``gate_proj``, ``up_proj``), one GEMM each as in vLLM; the loader
+fuses a checkpoint's tensors and permutes its head order (see
+:mod:`compiled_attn.models.loader`).
 
 The forward takes packed tokens of a whole batch (``[T]``) with an
 :class:`~compiled_attn.metadata.AttentionMetadata` and the paged KV cache, which makes it
@@ -24,16 +27,21 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer, arXiv 2002.05202)."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer, arXiv 2002.05202).
+
+    ``gate`` and ``up`` are one GEMM, ``gate_up_proj`` (weight ``[2 * intermediate_size,
+    hidden_size]``, gate rows first; vLLM ``MergedColumnParallelLinear``); ``down_proj``
+    is ``[hidden_size, intermediate_size]``. No biases. Input and output ``[T, hidden_size]``.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

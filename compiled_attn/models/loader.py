@@ -6,6 +6,12 @@ heads likewise with ``Hkv/2``); see ``DiffLlamaAttention.forward`` (``torch.chun
 heads). Our layers and cache use *interleaved* pairs (heads ``2j``, ``2j + 1``), so the
 rows of ``q_proj``, ``k_proj`` and ``v_proj`` are permuted once here, at load time. The
 output of pair ``j`` stays at position ``j``, so ``o_proj`` is unchanged.
+
+Our model also fuses projections that read the same input into one GEMM, as vLLM does
+(``QKVParallelLinear``, ``MergedColumnParallelLinear`` and the ``stacked_params_mapping``
+of its models' ``load_weights``): :data:`FUSED_PROJECTIONS` names them, and
+:func:`fuse_state_dict` / :func:`unfuse_state_dict` convert between the two sets of names.
+Loading checks names and shapes against the Hugging Face names, permutes heads, then fuses.
 """
 
 from __future__ import annotations
@@ -47,6 +53,75 @@ def projection_heads(name: str, config: DiffLlamaConfig) -> int | None:
     if proj in ("k_proj", "v_proj"):
         return config.num_key_value_heads
     return None
+
+
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+"""Fused module -> the Hugging Face modules whose output rows it stacks, in row order;
+paths under ``model.layers.{i}``. A layer in ``config.kv_sharing`` projects only Q: it
+keeps a plain ``self_attn.q_proj`` and has no ``qkv_proj``."""
+
+
+def _fused_groups(config: DiffLlamaConfig):
+    """``(fused, parts, rows)`` for each fused module of a model of ``config``: its path,
+    the paths of the modules it stacks, and the output rows of each part."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    rows = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [config.intermediate_size] * 2}
+    for i in range(config.num_hidden_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if fused == "self_attn.qkv_proj" and i in config.kv_sharing:
+                continue
+            prefix = f"model.layers.{i}."
+            yield prefix + fused, [prefix + part for part in parts], rows[fused]
+
+
+def fuse_state_dict(state: dict[str, torch.Tensor], config: DiffLlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face projection tensors -> our fused ones: the row layouts of vLLM's
+    ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` (what its ``load_weights``
+    builds with ``stacked_params_mapping``), for a whole state dict.
+
+    In each layer, ``self_attn.q_proj`` ``[Hq * D, hidden]``, ``k_proj`` and ``v_proj``
+    ``[Hkv * D, hidden]`` (biases ``[Hq * D]``, ``[Hkv * D]``) are concatenated along rows
+    into ``self_attn.qkv_proj`` ``[(Hq + 2 * Hkv) * D, hidden]`` (bias ``[(Hq + 2 * Hkv) *
+    D]``); ``mlp.gate_proj`` and ``up_proj`` ``[intermediate, hidden]`` into
+    ``mlp.gate_up_proj`` ``[2 * intermediate, hidden]``. Layers in ``config.kv_sharing``
+    keep their ``q_proj``. Other tensors pass through; dtypes are kept; head order is not
+    changed (see :func:`halves_to_interleaved`).
+
+    Returns:
+        A new dict; ``state`` is left as it was.
+
+    Raises:
+        KeyError: some tensors of a group are present and others not (the key is the
+            missing Hugging Face name).
+    """
+    fused_state = dict(state)
+    for fused, parts, _ in _fused_groups(config):
+        for suffix in (".weight", ".bias"):
+            if any(part + suffix in state for part in parts):
+                fused_state[fused + suffix] = torch.cat([fused_state.pop(part + suffix) for part in parts])
+    return fused_state
+
+
+def unfuse_state_dict(state: dict[str, torch.Tensor], config: DiffLlamaConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`fuse_state_dict`: our fused tensors split back along rows into the
+    Hugging Face ones (views of the fused tensors), same shapes and dtypes as listed there.
+
+    Returns:
+        A new dict; ``state`` is left as it was.
+
+    Raises:
+        RuntimeError: a fused tensor's rows differ from the sizes ``config`` gives.
+    """
+    split_state = dict(state)
+    for fused, parts, rows in _fused_groups(config):
+        for suffix in (".weight", ".bias"):
+            if fused + suffix in split_state:
+                tensors = split_state.pop(fused + suffix).split(rows)
+                split_state.update((part + suffix, tensor) for part, tensor in zip(parts, tensors))
+    return split_state
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -105,7 +180,8 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     Raises:
         FileNotFoundError: missing config or weight files.
         ValueError: not a DiffLlama, unreadable JSON or safetensors, or tensors missing /
-            unexpected / of the wrong shape.
+            unexpected / of the wrong shape (named as in the checkpoint: ``q_proj``, not
+            ``qkv_proj``).
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
@@ -115,23 +191,28 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
             state.update(load_file(path))
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+    model = DiffLlamaForCausalLM(config)
+    expected = unfuse_state_dict(model.state_dict(), config)  # Hugging Face names and shapes
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        del expected["lm_head.weight"]
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {model_dir} do not match a DiffLlama of this config: "
+            f"missing {_first(missing)}, unexpected {_first(unexpected)}"
+        )
+    wrong = [f"{k} {list(state[k].shape)} (expected {list(v.shape)})"
+             for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"weights in {model_dir} do not fit the config: {_first(wrong)}")
     for key in list(state):
         heads = projection_heads(key, config)
         if heads is not None:
             state[key] = halves_to_interleaved(state[key], heads)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model = DiffLlamaForCausalLM(config)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"weights in {model_dir} do not match a DiffLlama of this config: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    try:
-        model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # shape mismatches
-        raise ValueError(f"weights in {model_dir} do not fit the config: {err}") from err
+    model.load_state_dict(fuse_state_dict(state, config), strict=False)  # lm_head is absent when tied
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _first(items: list[str], n: int = 5) -> str:
+    return f"{items[:n]}{'...' if len(items) > n else ''}"

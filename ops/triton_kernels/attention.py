@@ -92,7 +92,7 @@ def launch_plan(query: Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int
     head_size_pad = max(16, next_power_of_2(head_size))
     num_kv_units = num_kv_heads // 2 if differential else num_kv_heads
     tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, query.dtype)
-    num_splits = choose_num_splits(num_seqs, num_tokens, tiles.block_m // group_pad, num_kv_units,
+    num_splits = choose_num_splits(num_seqs, num_tokens, tiles.block_q(group_pad), num_kv_units,
                                    max_kv_len, tiles.programs_per_sm,
                                    multiprocessor_count(query.device))
     return LaunchPlan(tiles, num_splits, group_pad, head_size_pad, num_kv_units)
@@ -128,7 +128,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     plan = launch_plan(query, num_kv_heads, num_seqs, max_kv_len, differential)
     tiles, group_pad = plan.tiles, plan.group_pad
     num_splits = plan.num_splits if num_splits is None else num_splits
-    block_q = tiles.block_m // group_pad
+    block_q = tiles.block_q(group_pad)
     grid = (num_tokens // block_q + num_seqs, plan.num_kv_units, num_splits)
     min_dist, max_dist = visibility_bounds(causal, *window_size)
 
@@ -160,7 +160,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
             placeholder if alibi_slopes is None else alibi_slopes,
             num_seqs, scale, softcap, min_dist, max_dist,
             *query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides,
-            BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential,
+            BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential, STACKED=tiles.stacked,
             SPLIT=num_splits > 1, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
             LAMBDA_PER_PAIR=lambda_per_pair, HEAD_SIZE=head_size,
             HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad,

@@ -30,6 +30,15 @@ Differential (Ye et al. 2024, arXiv 2410.05258, eq. 1): a program owns KV heads 
 and ``q2.k2``) over the same K/V tiles, loaded once (``k1``, ``k2`` and the value pair as one
 ``[TILE_N, 2D]`` tile ``[v1 | v2]``), each accumulating ``softmax . [v1 | v2]``, and writes
 ``o1 - lambda_j * o2`` (float32 arithmetic) as ``[T, H/2, 2D]``.
+
+Stacked differential (``STACKED``, decode tiles, whose query rows fill at most half of the
+smallest ``tl.dot`` tile): the first half of the rows are the ``q1`` rows and the second
+half the ``q2`` rows of the same tokens and pairs. Queries are ``[BLOCK_M, 2D]`` with
+``q1`` rows zero in the ``k2`` half and ``q2`` rows zero in the ``k1`` half, keys the
+``[TILE_N, 2D]`` tile ``[k1 | k2]``: one score dot, one online softmax per row and one
+``P . [v1 | v2]`` accumulator give both components; the halves are combined at the end.
+This halves the accumulators and the dots of a decode program (the padded rows were
+otherwise wasted), at the price of multiplying zeros in the score dot.
 """
 
 import triton
@@ -109,7 +118,7 @@ def attention_kernel(
     stride_os, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lt, stride_lh,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DIFFERENTIAL: tl.constexpr,
-    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    STACKED: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     LAMBDA_PER_PAIR: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
 ):
@@ -131,7 +140,9 @@ def attention_kernel(
         min_dist, max_dist: key ``j`` is visible from key position ``p`` when
             ``min_dist <= p - j <= max_dist``.
     """
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    # Rows of one component: all rows, or half of them when q1 and q2 rows are stacked.
+    COMPONENT_ROWS: tl.constexpr = BLOCK_M // 2 if STACKED else BLOCK_M
+    BLOCK_Q: tl.constexpr = COMPONENT_ROWS // GROUP_PAD
     VALUE_HEADS: tl.constexpr = 2 if DIFFERENTIAL else 1  # V tile: [v] or [v1 | v2]
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
@@ -151,7 +162,8 @@ def attention_kernel(
         kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_start
 
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_first + rows // GROUP_PAD
+    component = rows // COMPONENT_ROWS  # 0, or 1 for the q2 rows of a stacked tile
+    q_idx = q_first + (rows % COMPONENT_ROWS) // GROUP_PAD
     member = rows % GROUP_PAD
     head_ok = member < GROUP
     row_ok = (q_idx < q_len) & head_ok
@@ -166,13 +178,18 @@ def attention_kernel(
     col_offset = (cols // HEAD_SIZE_PAD) * HEAD_SIZE + cols % HEAD_SIZE_PAD  # in [v1 | v2]
 
     if DIFFERENTIAL:
-        q_head = 2 * head
+        q_head = 2 * head + component
         kv_head = 2 * kv_unit
     else:
         q_head = head
         kv_head = kv_unit
-    q_ptrs = q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q_mask = row_ok[:, None] & dim_ok[None, :]
+    if STACKED:  # [BLOCK_M, 2D]: q1 rows in the k1 columns, q2 rows in the k2 columns
+        q_ptrs = (q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh
+                  + (cols % HEAD_SIZE_PAD)[None, :] * stride_qd)
+        q_mask = row_ok[:, None] & col_ok[None, :] & ((cols // HEAD_SIZE_PAD)[None, :] == component[:, None])
+    else:
+        q_ptrs = q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :] * stride_qd
+        q_mask = row_ok[:, None] & dim_ok[None, :]
     q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if ALIBI:
         slope1 = tl.load(alibi_ptr + q_head, mask=head_ok, other=0.0)
@@ -181,7 +198,8 @@ def attention_kernel(
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, VALUE_HEADS * HEAD_SIZE_PAD], tl.float32)  # softmax1 . [v1 | v2]
-    if DIFFERENTIAL:
+    TWO_STATES: tl.constexpr = DIFFERENTIAL and not STACKED
+    if TWO_STATES:
         q2 = tl.load(q_ptrs + stride_qh, mask=q_mask, other=0.0)
         if ALIBI:
             slope2 = tl.load(alibi_ptr + q_head + 1, mask=head_ok, other=0.0)
@@ -215,26 +233,31 @@ def attention_kernel(
         else:
             k_rows = (kv_start + kpos).to(tl.int64) * stride_kb
             v_rows = (kv_start + kpos).to(tl.int64) * stride_vb
-        k_ptrs = k_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd
         v_ptrs = (v_ptr + v_rows[:, None] + (kv_head + cols // HEAD_SIZE_PAD)[None, :] * stride_vh
                   + (cols % HEAD_SIZE_PAD)[None, :] * stride_vd)
-        k_mask = kv_ok[:, None] & dim_ok[None, :]
-        k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_ok[:, None] & col_ok[None, :], other=0.0)
+        if STACKED:  # [k1 | k2], addressed as [v1 | v2]
+            k_ptrs = (k_ptr + k_rows[:, None] + (kv_head + cols // HEAD_SIZE_PAD)[None, :] * stride_kh
+                      + (cols % HEAD_SIZE_PAD)[None, :] * stride_kd)
+            k_mask = kv_ok[:, None] & col_ok[None, :]
+        else:
+            k_ptrs = k_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd
+            k_mask = kv_ok[:, None] & dim_ok[None, :]
+        k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
         dist = pos[:, None] - kpos[None, :]
         s1 = _scores(q1, k1, dist, scale, softcap, slope1, SOFTCAP, ALIBI)
-        if DIFFERENTIAL:
+        if TWO_STATES:
             k2 = tl.load(k_ptrs + stride_kh, mask=k_mask, other=0.0)
             s2 = _scores(q2, k2, dist, scale, softcap, slope2, SOFTCAP, ALIBI)
         if (kv_tile * TILE_N < full_lo) | ((kv_tile + 1) * TILE_N > full_hi):  # edge tile
             visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
             s1 = tl.where(visible, s1, float("-inf"))
-            if DIFFERENTIAL:
+            if TWO_STATES:
                 s2 = tl.where(visible, s2, float("-inf"))
 
         m1, l1, p1, alpha1 = _online_softmax(m1, l1, s1)
         acc1 = acc1 * alpha1[:, None] + tl.dot(p1.to(v.dtype), v, input_precision="ieee")
-        if DIFFERENTIAL:
+        if TWO_STATES:
             m2, l2, p2, alpha2 = _online_softmax(m2, l2, s2)
             acc2 = acc2 * alpha2[:, None] + tl.dot(p2.to(v.dtype), v, input_precision="ieee")
 
@@ -246,17 +269,32 @@ def attention_kernel(
         lse = lse_ptr + split * stride_ls + token * stride_lt + q_head * stride_lh
         tl.store(part, _normalize(acc1, l1), mask=out_mask)
         tl.store(lse, _log_sum_exp(m1, l1), mask=row_ok)
-        if DIFFERENTIAL:
+        if TWO_STATES:
             tl.store(part + stride_oh, _normalize(acc2, l2), mask=out_mask)
             tl.store(lse + stride_lh, _log_sum_exp(m2, l2), mask=row_ok)
-    else:
-        o = _normalize(acc1, l1)
-        if DIFFERENTIAL:
-            if LAMBDA_PER_PAIR:
-                lam = tl.load(lambda_ptr + head, mask=head_ok, other=0.0).to(tl.float32)
-            else:
-                lam = tl.zeros([BLOCK_M], tl.float32) + tl.load(lambda_ptr).to(tl.float32)
-            o -= lam[:, None] * _normalize(acc2, l2)
+    elif DIFFERENTIAL:
+        if STACKED:  # rows [q1 rows; q2 rows] -> o1, o2 of the first COMPONENT_ROWS rows
+            both = tl.reshape(_normalize(acc1, l1), [2, COMPONENT_ROWS, 2 * HEAD_SIZE_PAD])
+            o1, o2 = tl.split(tl.permute(both, (1, 2, 0)))
+            rows = tl.arange(0, COMPONENT_ROWS)
+            q_idx = q_first + rows // GROUP_PAD
+            member = rows % GROUP_PAD
+            head_ok = member < GROUP
+            row_ok = (q_idx < q_len) & head_ok
+            head = kv_unit * GROUP + member
+            token = (q_start + q_idx).to(tl.int64)
+            out_mask = row_ok[:, None] & col_ok[None, :]
+        else:
+            o1 = _normalize(acc1, l1)
+            o2 = _normalize(acc2, l2)
+        if LAMBDA_PER_PAIR:
+            lam = tl.load(lambda_ptr + head, mask=head_ok, other=0.0).to(tl.float32)
+        else:
+            lam = tl.zeros([COMPONENT_ROWS], tl.float32) + tl.load(lambda_ptr).to(tl.float32)
         out = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                + col_offset[None, :] * stride_od)
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out, (o1 - lam[:, None] * o2).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        out = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+               + col_offset[None, :] * stride_od)
+        tl.store(out, _normalize(acc1, l1).to(out_ptr.dtype.element_ty), mask=out_mask)

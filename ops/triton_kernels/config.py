@@ -9,11 +9,17 @@ H200 (``profiling/tile_sweep.py``, results in ``profiling/results/triton_kernels
   accumulators (per row: ``D`` plain; ``2 x 2D`` differential, softmax1 and softmax2 times
   ``[v1 | v2]``) within ``ACCUMULATOR_BUDGET``. Decode batches get 16 rows, prefill up to
   128 (64 differential), as FlashAttention-2.
-* Keys per step (``tile_n``): at most ``KV_STEP_BYTES`` of K/V loads per step, 16 to 64.
+* Differential decode tiles whose rows (tokens x pairs) fill at most half of the 16-row
+  minimum are *stacked* (q1 rows over q2 rows, see :mod:`.attention_kernel`): one
+  ``2D``-wide accumulator per row instead of two.
+* Keys per step (``tile_n``): at most ``KV_STEP_BYTES`` of K/V loads per step, 16 to 64;
+  differential prefill tiles (64 rows or more) take twice that, up to 128 keys, unpipelined.
 * 4 warps up to 8192 accumulator floats per program, else 8; 3 pipeline stages for steps of
   up to 32 KiB, else 2 (shared memory).
 * Flash-decoding splits (:func:`choose_num_splits`) when the grid is too small to keep
-  ``IN_FLIGHT_BYTES`` of K/V requested per multiprocessor.
+  ``IN_FLIGHT_BYTES`` of K/V requested per multiprocessor, or to give every multiprocessor
+  a program at all (small batches; split-count sweep of 2026-11-30 in
+  ``profiling/results/triton_kernels.md``).
 """
 
 from dataclasses import dataclass
@@ -29,40 +35,53 @@ ACCUMULATOR_BUDGET = 32768  # float32 accumulator elements per program (128 a th
 KV_STEP_BYTES = 65536  # K/V bytes loaded per key step, at most
 IN_FLIGHT_BYTES = 262144  # K/V bytes per SM the split heuristic keeps requested
 MAX_SPLITS = 64
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 256  # splits that only add requests in flight
+MIN_KEYS_PER_FILL_SPLIT = 64  # splits that give idle multiprocessors a program
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """``block_m`` query rows (``block_m // group_pad`` tokens x ``group_pad`` heads) against
-    ``tile_n`` keys per step; ``num_warps`` and ``num_stages`` as Triton's launch options;
-    ``programs_per_sm``: resident programs that keep ``IN_FLIGHT_BYTES`` requested."""
+    """``block_m`` query rows (``block_m // group_pad`` tokens x ``group_pad`` heads, or half
+    that many tokens when ``stacked``) against ``tile_n`` keys per step; ``num_warps`` and
+    ``num_stages`` as Triton's launch options; ``programs_per_sm``: resident programs that
+    keep ``IN_FLIGHT_BYTES`` requested."""
 
     block_m: int
     tile_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int
+    stacked: bool = False
+
+    def block_q(self, group_pad: int) -> int:
+        """Query tokens per tile."""
+        return self.block_m // group_pad // (2 if self.stacked else 1)
 
 
 def choose_tiles(num_tokens: int, num_seqs: int, group_pad: int, head_size_pad: int,
                  differential: bool, dtype: torch.dtype) -> TileConfig:
     """Tiles for a batch of ``num_tokens`` queries in ``num_seqs`` sequences, ``group_pad``
     query heads (pairs) per KV head (pair), head size padded to ``head_size_pad``."""
-    state = 4 if differential else 1  # float32 accumulator columns per row, in head sizes
+    rows_per_seq = triton.cdiv(num_tokens, max(num_seqs, 1)) * group_pad
+    stacked = differential and 2 * next_power_of_2(rows_per_seq) <= MIN_BLOCK_M
+    # float32 accumulator columns per row, in head sizes: [v1 | v2] once (stacked) or twice
+    state = (2 if stacked else 4) if differential else 1
     operand = 4 if dtype == torch.float32 else 1  # float32 operands: more registers and smem
     max_block_m = ACCUMULATOR_BUDGET // (head_size_pad * state * operand)
     max_block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, max_block_m))
-    rows_per_seq = triton.cdiv(num_tokens, max(num_seqs, 1)) * group_pad
     block_m = max(MIN_BLOCK_M, group_pad, min(next_power_of_2(rows_per_seq), max_block_m))
     kv_loads = 4 if differential else 2  # k, v tiles (k1, k2 and the [v1 | v2] pair)
     token_bytes = head_size_pad * dtype.itemsize * kv_loads
-    tile_n = max(16, min(64, KV_STEP_BYTES // token_bytes))
+    # Differential prefill tiles: twice the keys per step, unpipelined (sweep 2: 1.65 ms
+    # against 1.88 ms for 64-key steps at 2 stages, B 8 x S 2048, D 128).
+    wide_steps = differential and block_m >= 64
+    step_limit = 2 * KV_STEP_BYTES if wide_steps else KV_STEP_BYTES
+    tile_n = max(16, min(128 if wide_steps else 64, step_limit // token_bytes))
     step_bytes = tile_n * token_bytes
     accumulators = block_m * head_size_pad * state * operand
     return TileConfig(block_m, tile_n, num_warps=4 if accumulators <= 8192 else 8,
-                      num_stages=3 if step_bytes <= 32768 else 2,
-                      programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes))
+                      num_stages=1 if wide_steps else (3 if step_bytes <= 32768 else 2),
+                      programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes), stacked=stacked)
 
 
 def choose_num_splits(num_seqs: int, num_tokens: int, block_q: int, num_kv_units: int,
@@ -70,10 +89,19 @@ def choose_num_splits(num_seqs: int, num_tokens: int, block_q: int, num_kv_units
     """Flash-decoding splits of each query tile's key range.
 
     ``max_kv_len`` bounds the keys of any sequence (block-table width x block size, or the
-    total key count). Splits are added only while the grid has fewer than
-    ``programs_per_sm`` programs per multiprocessor, and never below ``MIN_KEYS_PER_SPLIT``
-    keys per split of the longest possible sequence.
+    total key count). Two reasons to split, the larger count wins:
+
+    * *fill*: fewer programs than multiprocessors (a batch of one or two sequences): split
+      until every multiprocessor has one, down to ``MIN_KEYS_PER_FILL_SPLIT`` keys a split;
+    * *in flight*: split while a whole ``programs_per_sm`` more programs per multiprocessor
+      fit (rounded down: a partial wave of splits costs more in merging than it gains),
+      down to ``MIN_KEYS_PER_SPLIT`` keys a split.
+
+    Sweep on an H200 (Hq 32, Hkv 8, D 128): the best counts were 16 for B=1 at 1k keys,
+    32-64 at 4k, 64 at 16k, 4 for B=16 at 1k and 1-2 for B=64 at 1k; this rule picks
+    16, 17 (plain) / 33 (differential), 64, 4 and 2.
     """
     busy = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_units
-    wanted = triton.cdiv(programs_per_sm * num_sms, max(busy, 1))
-    return max(1, min(wanted, triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    fill = min(triton.cdiv(num_sms, max(busy, 1)), triton.cdiv(max_kv_len, MIN_KEYS_PER_FILL_SPLIT))
+    in_flight = min(programs_per_sm * num_sms // max(busy, 1), triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT))
+    return max(1, min(max(fill, in_flight), MAX_SPLITS))
