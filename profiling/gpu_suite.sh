@@ -3,7 +3,8 @@
 #   bash profiling/gpu_suite.sh kernels  # kernel tests (pytest -m gpu, interpreter tests compiled),
 #                                        # a memcheck run of decode cases, profiling/bench_kernels.py
 #   bash profiling/gpu_suite.sh engine   # engine tests (pytest -m gpu), CLI on cuda, a split-count
-#                                        # sweep, a trace and its timeline
+#                                        # sweep (SPLIT_SWEEP=0: none), traces and timelines of the
+#                                        # embedded model (B=8) and the bench model (B=1)
 #   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
@@ -46,14 +47,18 @@ kernels)
 engine)
     run pytest_gpu_engine 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_engine.py"
     run cli_generate_cuda 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32
-    run split_sweep 120 python3 "$repo/profiling/tile_sweep.py" --splits
+    [ "${SPLIT_SWEEP:-1}" = 1 ] && run split_sweep 120 python3 "$repo/profiling/tile_sweep.py" --splits
+    # Where a batch-1 step of the ~1.1B bench model goes (host vs device), with its timeline.
+    run trace_bench_model 150 python3 "$repo/profiling/trace_decode.py" --device cuda --bench-model --batch 1 \
+        --out "$out/trace_bench" --timeline "$out/timeline_bench_b1.png"
     run trace_decode 150 python3 "$repo/profiling/trace_decode.py" --device cuda --out "$out/trace" --timeline "$out/timeline.png"
     echo "== summary"
     for f in "$out"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
     python3 -c "import json,sys; r=json.loads(open('$out/cli_generate_cuda.log').read().splitlines()[-1]); print('generate cuda:', r['timings'], r['compile'], r['cuda_graphs'])" || true
     grep -A12 "profiled steps" "$out/trace_decode.log" | head -16
-    grep -A3 "== splits" "$out/split_sweep.log"
-    rm -rf "$out/trace"  # the trace is large; the timeline and the summary came back
+    [ -f "$out/split_sweep.log" ] && grep -A3 "== splits" "$out/split_sweep.log"
+    grep -A24 "profiled steps" "$out/trace_bench_model.log"
+    rm -rf "$out/trace" "$out/trace_bench"  # traces are large; the timelines and summaries came back
     ;;
 decode)
     mkdir -p "$out/results"

@@ -63,6 +63,20 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(rows, q_first, q_start, q_len, kv_unit, COMPONENT_ROWS: tl.constexpr,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """What tile rows ``rows`` hold: query index in the sequence, its head (pair) and that
+    head's place in the GQA group, whether the row is real, and its token (int64)."""
+    q_idx = q_first + (rows % COMPONENT_ROWS) // GROUP_PAD
+    member = rows % GROUP_PAD
+    head_ok = member < GROUP
+    row_ok = (q_idx < q_len) & head_ok
+    head = kv_unit * GROUP + member  # query head (plain) or query head pair (differential)
+    token = (q_start + q_idx).to(tl.int64)
+    return q_idx, head, head_ok, row_ok, token
+
+
+@triton.jit
 def _tanh(x):
     """``tanh`` from ``exp`` of a non-positive argument (no overflow; portable across Triton
     versions and the interpreter)."""
@@ -163,12 +177,8 @@ def attention_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     component = rows // COMPONENT_ROWS  # 0, or 1 for the q2 rows of a stacked tile
-    q_idx = q_first + (rows % COMPONENT_ROWS) // GROUP_PAD
-    member = rows % GROUP_PAD
-    head_ok = member < GROUP
-    row_ok = (q_idx < q_len) & head_ok
-    head = kv_unit * GROUP + member  # query head (plain) or query head pair (differential)
-    token = (q_start + q_idx).to(tl.int64)
+    q_idx, head, head_ok, row_ok, token = _tile_rows(rows, q_first, q_start, q_len, kv_unit,
+                                                     COMPONENT_ROWS, GROUP, GROUP_PAD)
     pos = q_idx + kv_len - q_len
     dims = tl.arange(0, HEAD_SIZE_PAD)
     dim_ok = dims < HEAD_SIZE
@@ -276,13 +286,8 @@ def attention_kernel(
         if STACKED:  # rows [q1 rows; q2 rows] -> o1, o2 of the first COMPONENT_ROWS rows
             both = tl.reshape(_normalize(acc1, l1), [2, COMPONENT_ROWS, 2 * HEAD_SIZE_PAD])
             o1, o2 = tl.split(tl.permute(both, (1, 2, 0)))
-            rows = tl.arange(0, COMPONENT_ROWS)
-            q_idx = q_first + rows // GROUP_PAD
-            member = rows % GROUP_PAD
-            head_ok = member < GROUP
-            row_ok = (q_idx < q_len) & head_ok
-            head = kv_unit * GROUP + member
-            token = (q_start + q_idx).to(tl.int64)
+            _, head, head_ok, row_ok, token = _tile_rows(tl.arange(0, COMPONENT_ROWS), q_first, q_start, q_len,
+                                                         kv_unit, COMPONENT_ROWS, GROUP, GROUP_PAD)
             out_mask = row_ok[:, None] & col_ok[None, :]
         else:
             o1 = _normalize(acc1, l1)
