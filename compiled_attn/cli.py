@@ -116,6 +116,8 @@ def generate(args, tokenizer) -> dict:
     """Run ``generate`` (text through ``tokenizer``) and return the JSON-ready result."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA device")
+    if args.memory_snapshot is not None and (args.profile is None or args.device != "cuda"):
+        raise ValueError("--memory-snapshot needs --profile DIR and --device cuda")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
     if args.model is None:
@@ -132,8 +134,6 @@ def generate(args, tokenizer) -> dict:
     if not args.no_compile or engine.cuda_graphs:  # compile and capture before timing
         engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
     if args.profile is None:
-        if args.memory_snapshot is not None:
-            raise ValueError("--memory-snapshot needs --profile DIR")
         completions, timings = engine.generate(prompts, params, seed=args.seed)
         profile = None
     else:

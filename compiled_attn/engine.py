@@ -19,6 +19,7 @@ host has seen the previous tokens. Everything runs in order on one CUDA stream.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -169,7 +170,7 @@ class Engine:
         config = model.config
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         for name, value in (("max_model_len", self.max_model_len), ("block_size", block_size),
                             ("max_num_seqs", max_num_seqs), ("num_blocks", 1 if num_blocks is None else num_blocks)):
             if value < 1:
@@ -216,12 +217,18 @@ class Engine:
             name: how errors name the prompt.
 
         Raises:
+            TypeError: a token id that is not an integer (e.g. a float).
             ValueError: empty or out-of-vocabulary prompt, longer than ``max_model_len``
-                with ``max_new_tokens``.
+                with ``max_new_tokens``; ``seed`` outside ``[0, 2**63)``.
             OutOfBlocksError: the request alone needs more blocks than the cache has.
         """
-        prompt = list(prompt_ids)
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise TypeError(f"{name} must hold integer token ids, got {list(prompt_ids)[:8]}") from None
         self._check_prompt(prompt, params, name)
+        if seed is not None and not 0 <= seed < 1 << 63:
+            raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
         request_id = next(self._ids)
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
@@ -470,7 +477,7 @@ class Engine:
         Args:
             prompts: token id lists, each non-empty.
             params: one :class:`SamplingParams` for all prompts or one per prompt.
-            seed: request ``i`` draws with seed ``seed * 1_000_003 + i`` unless its params
+            seed: request ``i`` draws with seed ``(seed * 1_000_003 + i) mod 2**63`` unless its params
                 carry a seed (same seed, same tokens; independent of batching).
             on_step: called after every step (e.g. :meth:`StepProfiler.step`).
 
@@ -491,7 +498,7 @@ class Engine:
             raise RuntimeError("generate() needs an idle engine; step() the queued requests first")
         self.timings = Timings()
         try:
-            requests = [self.add_request(prompt, p, seed * 1_000_003 + i, name=f"prompts[{i}]")
+            requests = [self.add_request(prompt, p, (seed * 1_000_003 + i) % (1 << 63), name=f"prompts[{i}]")
                         for i, (prompt, p) in enumerate(zip(prompts, params))]
             while self.has_unfinished():  # true while a step is in flight: ends drained
                 self.step()

@@ -1,6 +1,6 @@
 """Paged KV cache: a block allocator and the per-layer cache tensors.
 
-Layout (one for every layer, see DESIGN.md): ``key_cache, value_cache`` of shape
+Layout (one for every layer, as vLLM's): ``key_cache, value_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_size]``. Token ``p`` of a sequence lives in
 block ``block_table[p // block_size]`` at offset ``p % block_size``; its slot is
 ``block_id * block_size + offset`` (vLLM's ``slot_mapping``).

@@ -31,6 +31,7 @@ class SamplingParams:
             own seed and the request's index.
 
     Raises:
+        TypeError: ``max_new_tokens`` not an int.
         ValueError: negative temperature, ``top_p`` outside ``(0, 1]``, ``max_new_tokens < 1``.
     """
 
@@ -44,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import reference
 from .validation import (
+    check_call_options,
     check_paged_args,
     check_paged_values,
     check_varlen_args,
@@ -164,11 +165,13 @@ def paged_attention(
         ``[num_tokens, num_heads // 2, 2 * head_size]`` (differential), query's dtype.
 
     Raises:
-        TypeError: wrong dtype (e.g. ``block_table`` not int32).
+        TypeError: wrong dtype (e.g. ``block_table`` not int32), ``scale`` or
+            ``window_size`` of the wrong type.
         ValueError: inconsistent shapes, unsupported head size or head counts, and when
             eager: block ids outside the cache, ``seq_lens`` beyond the block table,
-            malformed ``cu_seqlens_q``.
+            malformed ``cu_seqlens_q``; ``scale`` not finite and > 0.
     """
+    check_call_options(scale, window_size)
     window_left, window_right = window_size
     if not torch.compiler.is_compiling():
         check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
@@ -208,6 +211,7 @@ def varlen_attention(
     Raises:
         TypeError, ValueError: as :func:`paged_attention`.
     """
+    check_call_options(scale, window_size)
     window_left, window_right = window_size
     if not torch.compiler.is_compiling():
         check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left,

@@ -6,7 +6,7 @@ kernels of :mod:`compiled_attn.ops.triton_kernels`. Eager calls, ``torch.compile
 stays opaque, its fake gives shapes) and CUDA-graph capture all see the same op; CPU
 tensors keep the reference. A ``triton_op`` would let Inductor see the Triton kernels, but
 with CPU tensors under ``TRITON_INTERPRET=1`` it fails inside ``torch.compile`` (fake
-tensors reach the interpreter; see DESIGN.md), so the interpreter tests call the launchers
+tensors reach the interpreter), so the interpreter tests call the launchers
 directly instead.
 
 ``copy_blocks`` and ``swap_blocks`` keep the reference on every device: it is already two

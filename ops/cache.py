@@ -92,6 +92,9 @@ def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapp
         TypeError, ValueError: bad ``block_mapping`` dtype, shape or ids, repeated
         destinations, a value cache unlike its key cache, caches of different block counts.
     """
+    for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+        if not isinstance(caches, (list, tuple)) or not all(isinstance(c, Tensor) for c in caches):
+            raise TypeError(f"{name} must be a list of per-layer cache tensors, got {type(caches).__name__}")
     if len(key_caches) != len(value_caches) or not key_caches:
         raise ValueError(
             f"key_caches and value_caches must be non-empty lists of equal length, got "
@@ -117,11 +120,19 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
             device.
 
     Raises:
-        TypeError, ValueError: dtype or per-block shape mismatch, bad ``block_mapping``.
+        TypeError, ValueError: non-tensor or non-float caches, dtype or per-block shape
+            mismatch, caches not 4-D, bad ``block_mapping``, repeated destinations.
     """
+    for name, cache in (("src", src), ("dst", dst)):
+        if not isinstance(cache, Tensor) or not cache.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point cache tensor, got "
+                            f"{getattr(cache, 'dtype', type(cache).__name__)}")
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D], got {tuple(cache.shape)}")
     if src.dtype != dst.dtype:
         raise TypeError(f"src and dst must share a dtype, got {src.dtype} and {dst.dtype}")
     if src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"src and dst blocks differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
     check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    check_distinct_destinations(block_mapping)
     swap_blocks_op(src, dst, block_mapping)

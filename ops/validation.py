@@ -15,6 +15,8 @@ value) naming the argument, what was given and what is allowed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,6 +71,23 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
     if len(devices) > 1:
         where = ", ".join(f"{k} on {t.device}" for k, t in present.items())
         raise ValueError(f"all tensors must be on one device, got {where}")
+
+
+def check_call_options(scale, window_size) -> None:
+    """Python options of the public attention functions, before any op sees them.
+
+    Raises:
+        TypeError: ``scale`` not a real number or ``None``; ``window_size`` not a pair of ints.
+        ValueError: ``scale`` not finite and > 0.
+    """
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
 
 
 def check_options(window_left: int, window_right: int, softcap: float) -> None:

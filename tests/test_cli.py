@@ -191,6 +191,7 @@ def test_out_of_vocab_prompt_ids_exit_2(capsys):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--temperature", "nan"], "temperature must be >= 0"),
         (["--max-new-tokens", "5000"], "exceeds max_model_len=4096"),
+        (["--memory-snapshot", "snap.pickle"], "--memory-snapshot needs --profile DIR and --device cuda"),
     ],
 )
 def test_bad_values_exit_2(capsys, args, match):

@@ -222,6 +222,27 @@ def test_validation_errors(model, prompts, params, match):
     assert engine.kv_cache.allocator.num_free_blocks == 40
 
 
+def test_type_and_range_errors(model):
+    engine = make_engine(model, num_blocks=40)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must hold integer token ids"):
+        engine.generate([[1.5, 2.7]], greedy(2))
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        SamplingParams(max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="seed must lie in"):
+        engine.add_request([1, 2], greedy(2), seed=-1)
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        make_engine(model, max_model_len=0)
+    assert engine.kv_cache.allocator.num_free_blocks == 40 and not engine.has_unfinished()
+
+
+def test_any_generate_seed_works(model):
+    """Seeds derive per-request seeds modulo 2**63: huge seeds work and stay deterministic."""
+    engine = make_engine(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    runs = [[c.output_ids for c in engine.generate([[1, 2], [3]], params, seed=10**13)[0]] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def test_prompt_exactly_at_max_model_len_is_accepted(model):
     engine = make_engine(model, max_model_len=12)
     (c,), _ = engine.generate([[1] * 9], greedy(3))

@@ -2,7 +2,7 @@
 from the paper (Ye et al., "Differential Transformer", arXiv 2410.05258, sections 2.1 and
 2.2), run over a paged cache through prefill, decode, chunked-prefill and mixed steps.
 
-Head layout (DESIGN.md): query heads 2j / 2j+1 are components 1 / 2 of pair j, KV heads
+Head layout (see compiled_attn.layers.differential): query heads 2j / 2j+1 are components 1 / 2 of pair j, KV heads
 2m / 2m+1 components 1 / 2 of KV pair m, and query pair j reads KV pair j // (H / Hkv).
 """
 

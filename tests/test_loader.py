@@ -222,6 +222,12 @@ def test_directory_without_config(tmp_path):
         load_diffllama(tmp_path)
 
 
+def test_config_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json must hold a JSON object, got a list"):
+        load_diffllama(tmp_path)
+
+
 def test_llama_config_is_rejected(ckpt_copy):
     edit_config(ckpt_copy, model_type="llama")
     with pytest.raises(ValueError, match=r"model_type='llama'.*diffllama"):

@@ -272,6 +272,35 @@ def test_reshape_and_cache_strided_input():
     assert torch.equal(cache_k.cpu(), expected_k) and torch.equal(cache_v.cpu(), expected_v)
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a view whose last dim has stride 2."""
+    return torch.stack([t, torch.full_like(t, 7)], dim=-1)[..., 0]
+
+
+def test_strided_metadata_reads_the_same_values():
+    """Metadata views that are not dense (sliced from wider tensors) give the dense result:
+    the launchers honour only query/key/value strides and make the rest dense."""
+    batch = make_paged_batch(DECODE_MIX, num_heads=8, num_kv_heads=4, head_size=16, seed=4,
+                             unused_fill="nan")
+    query, key_cache, value_cache, cu, seq_lens, table = on_device(*batch.attention_args())
+    lam, slopes = on_device(make_lambda(8, per_pair=True), alibi_slopes(8))
+    dense = triton_kernels.paged_attention(query, key_cache, value_cache, cu, seq_lens, table, lam,
+                                           alibi_slopes=slopes)
+    views = [strided(t) for t in (cu, seq_lens, table, lam, slopes)]
+    assert not any(v.is_contiguous() for v in views)
+    got = triton_kernels.paged_attention(query, key_cache, value_cache, *views[:3], views[3],
+                                         alibi_slopes=views[4])
+    assert torch.equal(got, dense)
+
+    key_cache, value_cache = on_device(*batch.caches_before_write())
+    expected = (key_cache.clone(), value_cache.clone())
+    key, value, slots = on_device(batch.key, batch.value, batch.slot_mapping)
+    triton_kernels.reshape_and_cache(key, value, *expected, slots)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, strided(slots))
+    for cache, want in zip((key_cache, value_cache), expected):  # bit-exact; unused slots NaN
+        torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_split_heuristic_reads_shapes_only():
     """Few programs and long block tables split; full grids and short tables do not."""
     decode = dict(num_tokens=1, block_q=4, num_kv_units=8, programs_per_sm=8, num_sms=132)

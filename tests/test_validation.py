@@ -151,6 +151,11 @@ def _bad_paged_cases():
         ("alibi_wrong_dtype", lambda a: {}, {"alibi_slopes": alibi_slopes(4).half()}, TypeError, "alibi_slopes"),
         ("window_below_minus_one", lambda a: {}, {"window_size": (-2, -1)}, ValueError, "window_size"),
         ("softcap_negative", lambda a: {}, {"softcap": -1.0}, ValueError, "softcap"),
+        ("window_three_values", lambda a: {}, {"window_size": (1, 2, 3)}, TypeError, "window_size"),
+        ("window_float", lambda a: {}, {"window_size": (2.5, -1)}, TypeError, "window_size"),
+        ("scale_string", lambda a: {}, {"scale": "x"}, TypeError, "scale"),
+        ("scale_nan", lambda a: {}, {"scale": float("nan")}, ValueError, "scale"),
+        ("scale_zero", lambda a: {}, {"scale": 0.0}, ValueError, "scale"),
         ("lambda_wrong_shape", lambda a: {}, {"lambda_full": torch.ones(3)}, ValueError, "lambda_full"),
         ("lambda_2d", lambda a: {}, {"lambda_full": torch.ones(1, 2)}, ValueError, "lambda_full"),
         ("lambda_int", lambda a: {}, {"lambda_full": torch.tensor(1)}, TypeError, "lambda_full"),
@@ -309,6 +314,14 @@ def test_copy_and_swap_bad_input(tripwire):
         swap_blocks(kc[0], dst, torch.tensor([[3, 1]], dtype=torch.float32))
     with pytest.raises(TypeError, match="dtype"):
         swap_blocks(kc[0], dst.half(), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="destinations must be distinct"):
+        swap_blocks(kc[0], dst, torch.tensor([[0, 1], [2, 1]]))
+    with pytest.raises(ValueError, match=r"src must be \[num_blocks"):
+        swap_blocks(kc[0].flatten(), dst.flatten(), torch.tensor([[0, 1]]))
+    with pytest.raises(TypeError, match="src must be a floating-point cache"):
+        swap_blocks(kc[0].long(), dst.long(), torch.tensor([[0, 1]]))
+    with pytest.raises(TypeError, match="key_caches must be a list"):
+        copy_blocks(kc[0], vc[0], ok)
     assert tripwire == []
 
 

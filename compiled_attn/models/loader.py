@@ -159,9 +159,12 @@ def load_config(model_dir: str | Path) -> DiffLlamaConfig:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(value).__name__}")
+    return value
 
 
 def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,

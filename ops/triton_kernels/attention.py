@@ -124,6 +124,13 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     if num_tokens == 0:
         return out
     scale = head_size ** -0.5 if scale is None else scale
+    # The kernels index metadata as dense vectors and block_table by its row stride: views
+    # with other strides are copied (no-ops for the engine's own contiguous buffers).
+    cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
+    lambda_full = None if lambda_full is None else lambda_full.contiguous()
+    alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    if block_table is not None and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
 
     plan = launch_plan(query, num_kv_heads, num_seqs, max_kv_len, differential)
     tiles, group_pad = plan.tiles, plan.group_pad
