@@ -118,8 +118,13 @@ class DecodeBuffers:
             buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
 
     def set_block(self, row: int, index: int, block_id: int) -> None:
-        """Write one new block id (a sequence crossed into a new block)."""
-        self.block_table[row, index] = block_id
+        """Write one new block id (a sequence crossed into a new block).
+
+        A fill kernel with the id as its argument, enqueued behind the step in flight.
+        ``table[i, j] = id`` would instead copy a host scalar without ``non_blocking``,
+        which waits for the stream and so for the step in flight.
+        """
+        self.block_table[row, index].fill_(block_id)
 
 
 def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> None:
