@@ -33,7 +33,7 @@ from .compile import CompiledFunction, CompileStats
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, DecodeRow, decode_step, default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError
 from .metadata import SequenceChunk, build_metadata
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, check_seed, sample
 
 
 DEFAULT_CACHE_TOKENS = 65536
@@ -227,8 +227,8 @@ class Engine:
         except TypeError:
             raise TypeError(f"{name} must hold integer token ids, got {list(prompt_ids)[:8]}") from None
         self._check_prompt(prompt, params, name)
-        if seed is not None and not 0 <= seed < 1 << 63:
-            raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+        if seed is not None:
+            check_seed(seed)
         request_id = next(self._ids)
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)

@@ -18,6 +18,16 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
+def check_seed(seed: int) -> None:
+    """A request seed is an int64 the noise hash takes: ``0 <= seed < 2**63``.
+
+    Raises:
+        ValueError: ``seed`` outside that range.
+    """
+    if not 0 <= seed < 1 << 63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -49,8 +59,8 @@ class SamplingParams:
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 1 << 63:
-            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
+        if self.seed is not None:
+            check_seed(self.seed)
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 

@@ -13,10 +13,13 @@ from torch import Tensor
 
 from . import reference
 from .validation import (
+    FLOAT_DTYPES,
     check_block_mapping,
     check_cache_pair,
     check_cache_write_args,
     check_distinct_destinations,
+    check_dtype,
+    check_ndim,
     check_slot_values,
     should_check_values,
 )
@@ -120,15 +123,12 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
             device.
 
     Raises:
-        TypeError, ValueError: non-tensor or non-float caches, dtype or per-block shape
+        TypeError, ValueError: caches not tensors of a float dtype, dtype or per-block shape
             mismatch, caches not 4-D, bad ``block_mapping``, repeated destinations.
     """
     for name, cache in (("src", src), ("dst", dst)):
-        if not isinstance(cache, Tensor) or not cache.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point cache tensor, got "
-                            f"{getattr(cache, 'dtype', type(cache).__name__)}")
-        if cache.dim() != 4:
-            raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D], got {tuple(cache.shape)}")
+        check_dtype(name, cache, FLOAT_DTYPES)
+        check_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     if src.dtype != dst.dtype:
         raise TypeError(f"src and dst must share a dtype, got {src.dtype} and {dst.dtype}")
     if src.shape[1:] != dst.shape[1:]:

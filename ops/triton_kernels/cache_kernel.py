@@ -47,8 +47,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``key_cache``/``value_cache``
     ``[num_blocks, block_size, Hkv, D]`` (same dtype) at ``slot_mapping`` ``[T]`` int64;
-    ``-1`` slots are skipped. Any strides (a strided ``slot_mapping`` is copied); CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``."""
+    ``-1`` slots are skipped. Any strides (a strided ``slot_mapping`` is copied); CUDA
+    tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
