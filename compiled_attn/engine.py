@@ -432,12 +432,13 @@ class Engine:
         else:
             for row, index, block in new_blocks:
                 self.buffers.set_block(row, index, block)
+        greedy = all(r.params.temperature == 0 for r in requests)
         with torch.no_grad():
             if size is not None:
                 with record_function("replay"):
-                    tokens = self.graph_runner.replay(size)[:rows]
+                    tokens = self.graph_runner.replay(size, greedy)[:rows]
             else:
-                tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
+                tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
         self.timings.decode_steps += 1
         return InflightStep.launch(requests, tokens)
 
@@ -448,8 +449,8 @@ class Engine:
     def capture(self) -> CaptureStats:
         """Capture the decode step for every capture size (done once, before the first
         decode step; it compiles the decode graph first when compiling)."""
-        def step(rows: int) -> torch.Tensor:
-            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler)
+        def step(rows: int, greedy: bool) -> torch.Tensor:
+            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
 
         with record_function("capture"), torch.no_grad():
             self.buffers.write([], self.buffers.max_rows)  # all padding while capturing

@@ -14,6 +14,7 @@ size) the same step function runs directly on ``b`` rows.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -144,13 +145,19 @@ def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> Non
 
 
 def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int,
-                sampler: Callable = sample) -> torch.Tensor:
+                sampler: Callable = sample, greedy: bool = False) -> torch.Tensor:
     """Forward, sample (with ``sampler``, :func:`~compiled_attn.sampling.sample` or its
-    compiled form) and advance the first ``rows`` rows; returns ``[rows]`` int64 tokens."""
+    compiled form) and advance the first ``rows`` rows; returns ``[rows]`` int64 tokens.
+
+    ``greedy=True`` (every row has temperature 0) takes the argmax instead of running the
+    sampler, which is the same token without the sort and noise (vLLM's ``all_greedy``)."""
     md = buffers.metadata(rows)
     logits = forward(md, kv_caches)
-    tokens = sampler(logits, buffers.temperature[:rows], buffers.top_p[:rows], buffers.seeds[:rows],
-                    md.positions + 1)
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = sampler(logits, buffers.temperature[:rows], buffers.top_p[:rows], buffers.seeds[:rows],
+                        md.positions + 1)
     advance(md, tokens, buffers.block_size)
     return tokens
 
@@ -167,7 +174,8 @@ class CaptureStats:
 
 
 class CUDAGraphRunner:
-    """Captures ``step(rows)`` once per size and replays the smallest fitting graph.
+    """Captures ``step(rows, greedy)`` once per size and sampling variant (``greedy``: all
+    rows take the argmax) and replays the smallest fitting graph.
 
     Args:
         step: runs one decode step over the first ``rows`` static rows and returns a
@@ -176,11 +184,12 @@ class CUDAGraphRunner:
         warmup_steps: eager calls per size before its capture.
     """
 
-    def __init__(self, step: Callable[[int], torch.Tensor], sizes: Sequence[int], warmup_steps: int = 2) -> None:
+    def __init__(self, step: Callable[[int, bool], torch.Tensor], sizes: Sequence[int],
+                 warmup_steps: int = 2) -> None:
         self.step = step
         self.sizes = sorted(set(sizes))
         self.warmup_steps = warmup_steps
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_size(self) -> int:
@@ -192,7 +201,7 @@ class CUDAGraphRunner:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def capture(self) -> CaptureStats:
-        """Capture every size, largest first, into one memory pool.
+        """Capture every size and both sampling variants, largest first, into one memory pool.
 
         Raises:
             RuntimeError: a capture failed (typically out of memory); the message names
@@ -201,34 +210,35 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):
+        for size, greedy in itertools.product(reversed(self.sizes), (False, True)):
             try:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(self.warmup_steps):
-                        self.step(size)
+                        self.step(size, greedy)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self.step(size)
+                    out = self.step(size, greedy)
             except torch.OutOfMemoryError as err:
                 raise RuntimeError(
                     f"CUDA-graph capture of batch size {size} ran out of memory; lower the largest "
                     f"capture size (max_batch_size), the KV-cache blocks, or turn graphs off"
                 ) from err
-            self.graphs[size] = (graph, out)
+            self.graphs[size, greedy] = (graph, out)
         torch.cuda.synchronize()
         pool_bytes = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
                          if tuple(segment.get("segment_pool_id", ())) == tuple(pool))
         return CaptureStats(list(self.sizes), time.perf_counter() - start, pool_bytes)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size`` on the current stream; returns its static output.
+    def replay(self, size: int, greedy: bool = False) -> torch.Tensor:
+        """Replay the graph of ``size`` (and sampling variant) on the current stream; returns
+        its static output.
 
         The tensor is the graph's own, not a copy: the next replay of any size may overwrite
         it (the graphs share one memory pool). Read it by work enqueued on the same stream
         before that replay, e.g. a non-blocking copy to host memory, as the engine does.
         """
-        graph, out = self.graphs[size]
+        graph, out = self.graphs[size, greedy]
         graph.replay()
         return out

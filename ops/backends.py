@@ -26,6 +26,7 @@ from .attention import (
     varlen_attention_op,
 )
 from .cache import reshape_and_cache_op
+from .linear import fused_linear_op
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -66,3 +67,7 @@ if TRITON_AVAILABLE:
     @reshape_and_cache_op.register_kernel("cuda")
     def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
         triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    @fused_linear_op.register_kernel("cuda")
+    def _fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
+        return triton_kernels.fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)

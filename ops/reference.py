@@ -181,3 +181,17 @@ def swap_blocks(src, dst, block_mapping):
     """``dst[d] = src[s]`` for every ``(s, d)`` row; ``src`` and ``dst`` may be on
     different devices (GPU cache <-> CPU cache)."""
     dst[block_mapping[:, 1].to(dst.device)] = src[block_mapping[:, 0].to(src.device)].to(dst.device)
+
+
+def fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
+    """``residual + act(F.linear(rms_norm(x), weight, bias))``, each part optional, in the
+    rounding order of the unfused Hugging Face Llama code (see :func:`compiled_attn.ops.fused_linear`)."""
+    if norm_weight is not None:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)
+        x = norm_weight * normed.to(x.dtype)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if silu_and_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else residual + y

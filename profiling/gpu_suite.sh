@@ -5,12 +5,14 @@
 #   bash profiling/gpu_suite.sh engine   # engine tests (pytest -m gpu), CLI on cuda, a split-count
 #                                        # sweep (SPLIT_SWEEP=0: none), traces and timelines of the
 #                                        # embedded model (B=8) and the bench model (B=1)
+#   bash profiling/gpu_suite.sh linear   # fused_linear tests and profiling/bench_linear.py, with a
+#                                        # tile sweep of SWEEP_SECONDS (default 150; 0: none)
 #   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|decode [B ...]}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -30,7 +32,8 @@ kernels)
     mkdir -p "$out/results"
     parallel=()
     python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
-    run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu "$repo/tests/test_gpu_kernels.py"
+    run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu \
+        "$repo/tests/test_gpu_kernels.py" "$repo/tests/test_fused_linear.py"
     run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py"
     # Out-of-bounds accesses in the decode cases that once died with an illegal address.
     run memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$repo/profiling/bench_kernels.py" \
@@ -59,6 +62,16 @@ engine)
     [ -f "$out/split_sweep.log" ] && grep -A3 "== splits" "$out/split_sweep.log"
     grep -A24 "profiled steps" "$out/trace_bench_model.log"
     rm -rf "$out/trace" "$out/trace_bench"  # traces are large; the timelines and summaries came back
+    ;;
+linear)
+    mkdir -p "$out/results"
+    run pytest_linear 200 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_fused_linear.py"
+    sweep=(); [ "${SWEEP_SECONDS:-150}" != 0 ] && sweep=(--sweep "${SWEEP_SECONDS:-150}")
+    run bench_linear 420 python3 "$repo/profiling/bench_linear.py" --results-dir "$out/results" "${sweep[@]}"
+    echo "== summary"
+    echo "pytest_linear: $(tail -n 1 "$out/pytest_linear.log")"
+    cat "$out/results/linear.md"
+    grep -A32 "== sweep" "$out/bench_linear.log"
     ;;
 decode)
     mkdir -p "$out/results"

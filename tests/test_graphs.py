@@ -71,15 +71,15 @@ def test_advance_moves_live_rows_and_keeps_padding_inert():
     assert md.slot_mapping.tolist() == [9 * 4, 8 * 4 + 3, -1]
 
 
-def _emulate_graphs(engine: Engine, sizes: list[int]) -> list[int]:
+def _emulate_graphs(engine: Engine, sizes: list[int]) -> list[tuple[int, bool]]:
     """Make the engine pad every decode batch to a capture size and run the padded step,
-    as a replay would; returns the sizes used."""
-    runner = CUDAGraphRunner(lambda rows: None, sizes)
+    as a replay would; returns the (size, greedy) variants used."""
+    runner = CUDAGraphRunner(lambda rows, greedy: None, sizes)
     used = []
 
-    def replay(size):
-        used.append(size)
-        return decode_step(engine.forward, engine.kv_cache.layers, engine.buffers, size)
+    def replay(size, greedy=False):
+        used.append((size, greedy))
+        return decode_step(engine.forward, engine.kv_cache.layers, engine.buffers, size, greedy=greedy)
 
     runner.replay = replay
     engine.graph_runner = runner
@@ -90,13 +90,32 @@ def _emulate_graphs(engine: Engine, sizes: list[int]) -> list[int]:
 def test_padded_replays_give_the_tokens_of_unpadded_steps():
     model = build_random_model(CONFIG, seed=1)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11], [12, 13]]
-    params = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip((3, 9, 5, 12, 2), (0, 0.8, 0, 1.0, 0))]
+    params = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip((14, 9, 5, 12, 2), (0, 0.8, 0, 1.0, 0))]
     plain, _ = Engine(model, compile=False, block_size=4).generate(prompts, params, seed=7)
     engine = Engine(model, compile=False, block_size=4, max_num_seqs=8)
     used = _emulate_graphs(engine, [1, 2, 4, 8])
     padded, _ = engine.generate(prompts, params, seed=7)
     assert [c.output_ids for c in padded] == [c.output_ids for c in plain]
-    assert set(used) == {8, 4, 2, 1} and 3 not in used  # 5, 4, 3, 2, 1 live rows
+    assert {size for size, _ in used} == {8, 4, 2, 1}  # 5, 4, 3, 2, 1 live rows
+    # Sampled rows run the sampler; the last steps (one greedy row) the argmax variant.
+    assert (8, False) in used and (1, True) in used and (1, False) not in used
+
+
+def test_greedy_variant_picks_the_samplers_greedy_tokens():
+    model = build_random_model(CONFIG, seed=3)
+    engine = Engine(model, compile=False, block_size=4, num_blocks=32)
+    rows = []
+    for prompt in ([1, 2, 3, 4, 5], [6, 7], [8]):
+        request = engine.add_request(prompt, SamplingParams(max_new_tokens=4))
+        engine.step()
+        rows.append(request.decode_row(engine.kv_cache.allocator.allocate(request.request_id, len(prompt) + 2)))
+    tokens = {}
+    for greedy in (False, True):
+        buffers = DecodeBuffers(4, engine.max_blocks_per_seq, 4, "cpu")
+        buffers.write(rows, 4)
+        with torch.inference_mode():
+            tokens[greedy] = decode_step(model, engine.kv_cache.layers, buffers, 4, greedy=greedy)
+    assert torch.equal(tokens[True], tokens[False])
 
 
 def test_poisoned_padding_never_reaches_real_rows():

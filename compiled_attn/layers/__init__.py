@@ -2,7 +2,8 @@
 
 from .attention import Attention
 from .differential import DifferentialAttention, lambda_init_for_depth
+from .linear import linear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
-__all__ = ["Attention", "DifferentialAttention", "RMSNorm", "RotaryEmbedding", "lambda_init_for_depth"]
+__all__ = ["Attention", "DifferentialAttention", "RMSNorm", "RotaryEmbedding", "lambda_init_for_depth", "linear"]

@@ -18,6 +18,8 @@ from torch import nn
 from ..metadata import AttentionMetadata
 from ..ops import paged_attention, reshape_and_cache, varlen_attention
 from ..ops.validation import check_head_size, check_heads
+from .linear import linear
+from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
@@ -73,17 +75,18 @@ class Attention(nn.Module):
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attn_options = dict(scale=head_size ** -0.5, causal=causal, window_size=window, softcap=softcap)
 
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated.
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor, input_norm: RMSNorm | None = None):
+        """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated;
+        ``input_norm`` (the block's pre-attention RMSNorm) is fused into the projection.
 
         Without RoPE Q and K, and V always, are strided views of the one ``qkv_proj`` output
         (the ops read strides).
         """
         if self.shares_kv_cache:
-            q = self.q_proj(hidden).unflatten(-1, (self.num_heads, self.head_size))
+            q = linear(hidden, self.q_proj, input_norm).unflatten(-1, (self.num_heads, self.head_size))
             return (*self._rotate(positions, q), None, None)
         # Heads first, then split: a view of a non-contiguous split would specialize T != 1.
-        qkv = self.qkv_proj(hidden).unflatten(-1, (-1, self.head_size))
+        qkv = linear(hidden, self.qkv_proj, input_norm).unflatten(-1, (-1, self.head_size))
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self._rotate(positions, q, k)
         return q, k, v
@@ -106,8 +109,10 @@ class Attention(nn.Module):
         return paged_attention(q, kv_cache[0], kv_cache[1], md.cu_seqlens_q, md.seq_lens,
                                md.block_table, lambda_full, **options)
 
-    def forward(self, hidden: torch.Tensor, md: AttentionMetadata,
-                kv_cache: KVCacheLayer | None = None) -> torch.Tensor:
-        """``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V to ``kv_cache``."""
-        q, k, v = self.project(hidden, md.positions)
-        return self.o_proj(self.attend(q, k, v, md, kv_cache).flatten(1))
+    def forward(self, hidden: torch.Tensor, md: AttentionMetadata, kv_cache: KVCacheLayer | None = None,
+                input_norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, hidden_size]`` -> ``residual + attn(input_norm(hidden))`` ``[T, hidden_size]``
+        (norm and residual optional, fused into the projections); writes this step's K/V
+        to ``kv_cache``."""
+        q, k, v = self.project(hidden, md.positions, input_norm)
+        return linear(self.attend(q, k, v, md, kv_cache).flatten(1), self.o_proj, residual=residual)

@@ -20,6 +20,8 @@ from torch import nn
 from ..metadata import AttentionMetadata
 from ..ops.validation import check_heads
 from .attention import Attention, KVCacheLayer
+from .linear import linear
+from .norm import RMSNorm
 
 
 def lambda_init_for_depth(depth: int) -> float:
@@ -63,10 +65,10 @@ class DifferentialAttention(Attention):
         lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
 
-    def forward(self, hidden: torch.Tensor, md: AttentionMetadata,
-                kv_cache: KVCacheLayer | None = None) -> torch.Tensor:
-        """``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V to ``kv_cache``."""
-        q, k, v = self.project(hidden, md.positions)
+    def forward(self, hidden: torch.Tensor, md: AttentionMetadata, kv_cache: KVCacheLayer | None = None,
+                input_norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`Attention.forward`."""
+        q, k, v = self.project(hidden, md.positions, input_norm)
         pairs = self.attend(q, k, v, md, kv_cache, self.lambda_full())  # [T, H/2, 2D]
         pairs = self.subln(pairs) * (1 - self.lambda_init)
-        return self.o_proj(pairs.flatten(1))
+        return linear(pairs.flatten(1), self.o_proj, residual=residual)

@@ -16,10 +16,9 @@ one graph for ``torch.compile(fullgraph=True)``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..layers import DifferentialAttention, RMSNorm
+from ..layers import DifferentialAttention, RMSNorm, linear
 from ..metadata import AttentionMetadata
 from .config import DiffLlamaConfig
 
@@ -31,7 +30,9 @@ class MLP(nn.Module):
 
     ``gate`` and ``up`` are one GEMM, ``gate_up_proj`` (weight ``[2 * intermediate_size,
     hidden_size]``, gate rows first; vLLM ``MergedColumnParallelLinear``); ``down_proj``
-    is ``[hidden_size, intermediate_size]``. No biases. Input and output ``[T, hidden_size]``.
+    is ``[hidden_size, intermediate_size]``. No biases. Input and output ``[T, hidden_size]``;
+    the block's RMSNorm before it and the residual add after it are fused into the GEMMs
+    (:func:`compiled_attn.layers.linear`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -39,13 +40,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, input_norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + mlp(input_norm(x))`` (norm and residual optional)."""
+        hidden = linear(x, self.gate_up_proj, input_norm, silu_and_mul=True)
+        return linear(hidden, self.down_proj, residual=residual)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; each norm runs
+    inside the projection that follows it and each add inside the one before it."""
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -62,12 +66,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), md, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(x, md, kv_cache, input_norm=self.input_layernorm, residual=x)
+        return self.mlp(x, input_norm=self.post_attention_layernorm, residual=x)
 
 
 class DiffLlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm; ``[T]`` ids -> ``[T, hidden_size]``."""
+    """Embedding, decoder layers and final norm; ``[T]`` ids -> ``[T, hidden_size]``
+    (``final_norm=False`` leaves the norm to the caller, which fuses it into the LM head)."""
 
     def __init__(self, config: DiffLlamaConfig) -> None:
         super().__init__()
@@ -79,7 +84,8 @@ class DiffLlamaModel(nn.Module):
         self.cache_index = [owners.index(config.kv_sharing.get(i, i)) for i in range(config.num_hidden_layers)]
         self.num_cache_layers = len(owners)
 
-    def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None) -> torch.Tensor:
+    def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None,
+                final_norm: bool = True) -> torch.Tensor:
         if kv_caches is None and self.num_cache_layers < len(self.layers):
             raise ValueError(
                 "kv_caches=None is not supported with kv_sharing: a sharing layer reads its "
@@ -88,7 +94,7 @@ class DiffLlamaModel(nn.Module):
         x = self.embed_tokens(md.input_ids)
         for layer, index in zip(self.layers, self.cache_index):
             x = layer(x, md, None if kv_caches is None else kv_caches[index])
-        return self.norm(x)
+        return self.norm(x) if final_norm else x
 
 
 class DiffLlamaForCausalLM(nn.Module):
@@ -129,10 +135,10 @@ class DiffLlamaForCausalLM(nn.Module):
         Raises:
             ValueError: ``kv_caches=None`` with ``kv_sharing`` layers.
         """
-        hidden = self.model(md, kv_caches)
+        hidden = self.model(md, kv_caches, final_norm=False)
         if not all_logits:
-            hidden = hidden[md.last_token_indices()]
-        return self.lm_head(hidden).float()
+            hidden = hidden[md.last_token_indices()]  # the norm is per row: select first
+        return linear(hidden, self.lm_head, self.model.norm).float()
 
 
 def build_random_model(config: DiffLlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -7,6 +7,9 @@ module                    idea
                           any mix of prefill/decode rows, GQA groups sharing K/V loads, split-KV
 ``merge_kernel``          merge of split-KV (flash-decoding) partials by log-sum-exp
 ``cache_kernel``          ``reshape_and_cache`` (slot -1 skipped)
+``linear_kernel``         ``fused_linear``: a GEMV with RMSNorm / bias / SwiGLU / residual fused
+                          (decode rows), cuBLAS with the kernels below for more rows
+``norm_act_kernel``       RMSNorm and SwiGLU (+ residual) row kernels
 ``config``                tile sizes and split count from tensor shapes only (CUDA-graph safe)
 ``attention``             host launchers ``paged_attention`` / ``varlen_attention``
 ``launch_utils``          small host helpers (powers of two, device guard, SM count)
@@ -19,5 +22,6 @@ is set before Triton is imported (the interpreter tests do so).
 
 from .attention import paged_attention, varlen_attention
 from .cache_kernel import reshape_and_cache
+from .linear_kernel import fused_linear
 
-__all__ = ["paged_attention", "reshape_and_cache", "varlen_attention"]
+__all__ = ["fused_linear", "paged_attention", "reshape_and_cache", "varlen_attention"]
