@@ -11,6 +11,7 @@ control flow, so the function runs the same eagerly, compiled and inside a captu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class SamplingParams:
 
     Raises:
         TypeError: ``max_new_tokens`` not an int.
-        ValueError: negative temperature, ``top_p`` outside ``(0, 1]``, ``max_new_tokens < 1``.
+        ValueError: negative or infinite temperature, ``top_p`` outside ``(0, 1]``, ``max_new_tokens < 1``.
     """
 
     temperature: float = 0.0
@@ -51,8 +52,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):

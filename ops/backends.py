@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
+from . import reference
 from .attention import (
     differential_paged_attention_op,
     differential_varlen_attention_op,
@@ -70,4 +73,6 @@ if TRITON_AVAILABLE:
 
     @fused_linear_op.register_kernel("cuda")
     def _fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
+        if x.dtype == torch.float64:  # the kernels accumulate in float32
+            return reference.fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
         return triton_kernels.fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)

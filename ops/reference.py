@@ -187,11 +187,11 @@ def fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
     """``residual + act(F.linear(rms_norm(x), weight, bias))``, each part optional, in the
     rounding order of the unfused Hugging Face Llama code (see :func:`compiled_attn.ops.fused_linear`)."""
     if norm_weight is not None:
-        x32 = x.float()
+        x32 = x.to(_compute_dtype(x.dtype))
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)
         x = norm_weight * normed.to(x.dtype)
     y = torch.nn.functional.linear(x, weight, bias)
     if silu_and_mul:
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
-    return y if residual is None else residual + y
+    return y if residual is None else (residual + y).contiguous()

@@ -188,8 +188,9 @@ def test_out_of_vocab_prompt_ids_exit_2(capsys):
     "args, match",
     [
         (["--top-p", "0"], "top_p must lie in"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--temperature", "nan"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be finite and >= 0"),
+        (["--temperature", "nan"], "temperature must be finite and >= 0"),
+        (["--temperature", "inf"], "temperature must be finite and >= 0"),
         (["--max-new-tokens", "5000"], "exceeds max_model_len=4096"),
         (["--memory-snapshot", "snap.pickle"], "--memory-snapshot needs --profile DIR and --device cuda"),
     ],

@@ -137,6 +137,31 @@ def test_kernel_reads_row_strides():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3])
+def test_column_strided_residual(rows):
+    """A column-strided residual: both launcher paths (GEMV, cuBLAS + SwiGLU kernel) read it
+    right, and the op returns a contiguous tensor as its fake says (torch.compile)."""
+    args = make_args(rows, 16, 32, torch.float32, norm=True, silu_and_mul=True, residual=True, seed=9)
+    wide = torch.randn(rows, 32, device=DEVICE)
+    wide[:, ::2] = args["residual"]
+    args["residual"] = wide[:, ::2]  # column stride 2
+    assert_matches(run_kernel(args), args)
+    out = ops.fused_linear(args["x"], args["weight"], norm_weight=args["norm_weight"], residual=args["residual"],
+                           silu_and_mul=True)
+    assert out.is_contiguous()
+    call = torch.compile(lambda x, r: ops.fused_linear(x, args["weight"], residual=r[:, :32]) * 2, fullgraph=True)
+    x, r = args["x"], torch.randn(40, rows, device=DEVICE).t()
+    torch.testing.assert_close(call(x, r), (x @ args["weight"].T + r[:, :32]) * 2, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_launcher_rejects_tiles_that_miss_rows():
+    args = make_args(3, 16, 32, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="block_m"):
+        run_kernel(args, LinearTiles(1, 4, 32, 2, 1))
+
+
+@needs_kernel
 def test_kernel_with_heuristic_tiles():
     args = make_args(2, 96, 300, torch.float32, norm=True, silu_and_mul=True, residual=True, seed=3)
     assert_matches(run_kernel(args), args)
@@ -153,13 +178,29 @@ def test_tile_heuristic_covers_the_rows():
 
 @pytest.mark.parametrize("features", list(FEATURES))
 def test_op_matches_float64(features):
-    """On the CPU the op is the reference; on a GPU the Triton kernel (<= 64 rows) or cuBLAS."""
+    """On the CPU the op is the reference; on a GPU the Triton GEMV (one row) or cuBLAS."""
     for rows in (1, 9, 65):
         args = make_args(rows, 40, 64, torch.float32, seed=rows, **FEATURES[features])
         out = ops.fused_linear(args["x"], args["weight"], args["bias"], norm_weight=args["norm_weight"],
                                norm_eps=args["norm_eps"], residual=args["residual"],
                                silu_and_mul=args["silu_and_mul"])
         assert_matches(out, args)
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
+def test_gradients_match_finite_differences(features):
+    """The op's autograd formula, in float64 (the reference kernel), every tensor input."""
+    args = make_args(3, 6, 8, torch.float64, seed=5, device="cpu", **FEATURES[features])
+    names = [k for k in ("x", "weight", "bias", "norm_weight", "residual") if args[k] is not None]
+    leaves = [args[k].clone().requires_grad_() for k in names]
+
+    def call(*tensors):
+        kwargs = dict(args, **dict(zip(names, tensors)))
+        return ops.fused_linear(kwargs["x"], kwargs["weight"], kwargs["bias"], norm_weight=kwargs["norm_weight"],
+                                norm_eps=kwargs["norm_eps"], residual=kwargs["residual"],
+                                silu_and_mul=kwargs["silu_and_mul"])
+
+    assert torch.autograd.gradcheck(call, leaves)
 
 
 def test_opcheck():
@@ -175,7 +216,10 @@ def test_opcheck():
     (dict(weight=torch.ones(6, 8, dtype=torch.float16)), TypeError, "weight must have dtype"),
     (dict(bias=torch.ones(5)), ValueError, r"bias must be \[6\]"),
     (dict(norm_weight=torch.ones(7)), ValueError, r"norm_weight must be \[8\]"),
-    (dict(norm_weight=torch.ones(8), norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(norm_weight=torch.ones(8), norm_eps=0.0), ValueError, "norm_eps must be finite and > 0"),
+    (dict(norm_eps=float("inf")), ValueError, "norm_eps must be finite and > 0"),
+    (dict(norm_eps="1e-6"), TypeError, "norm_eps must be a float"),
+    (dict(weight=None), TypeError, "weight must be a torch.Tensor"),
     (dict(residual=torch.ones(2, 5)), ValueError, r"residual must be \[2, 6\]"),
     (dict(weight=torch.ones(5, 8), silu_and_mul=True), ValueError, "even number of weight rows"),
     (dict(silu_and_mul=True, residual=torch.ones(2, 6)), ValueError, r"residual must be \[2, 3\]"),
@@ -229,3 +273,28 @@ def test_op_in_cuda_graph_reads_new_inputs():
     graph.replay()
     fresh["weight"], fresh["norm_weight"] = args["weight"], args["norm_weight"]
     assert_matches(out, fresh)
+
+
+def test_model_trains_through_fused_projections():
+    """A loss over a DiffLlama's logits (no KV cache: the varlen op) reaches every parameter,
+    and torch.compile(fullgraph=True) of forward + backward gives the eager gradients."""
+    from compiled_attn.metadata import SequenceChunk, build_metadata
+    from compiled_attn.models import DiffLlamaConfig
+    from compiled_attn.models.diffllama import build_random_model
+
+    config = DiffLlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=64, eos_token_id=None, lambda_std_dev=0.3)
+    md = build_metadata([SequenceChunk([1, 5, 9, 2], 0, [0]), SequenceChunk([7, 3], 0, [1])], 16, 1)
+
+    def loss(model):
+        return model(md, None, all_logits=True).log_softmax(-1)[:, 0].sum()
+
+    grads = []
+    for compiled in (False, True):
+        model = build_random_model(config, seed=4).requires_grad_(True)  # built for inference
+        (torch.compile(loss, fullgraph=True) if compiled else loss)(model).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert grad is not None and bool(torch.isfinite(grad).all()) and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)

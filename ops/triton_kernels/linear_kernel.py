@@ -10,8 +10,9 @@ runs the neighbours of the GEMM inside it:
 * epilogue: ``+ bias``; SwiGLU ``silu(gate) * up`` over the two halves of the weight rows
   (vLLM ``MergedColumnParallelLinear`` + ``SiluAndMul``); ``+ residual``.
 
-Outputs are rounded to the input dtype where the unfused PyTorch code rounds them. More
-rows run cuBLAS with the norm and SwiGLU kernels of :mod:`.norm_act_kernel` around it.
+Outputs are rounded to the input dtype where the unfused PyTorch code rounds them, except
+the normalized input, which stays float32 inside the kernel. More rows run cuBLAS with the
+norm and SwiGLU kernels of :mod:`.norm_act_kernel` around it.
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     tiles = tiles or choose_linear_tiles(rows, out_features, in_features, silu_and_mul)
+    if tiles.block_m < rows:
+        raise ValueError(f"tiles.block_m ({tiles.block_m}) must cover the {rows} rows of x")
+    if out.shape != (rows, out_features) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{rows}, {out_features}] with unit column stride, "
+                         f"got shape {tuple(out.shape)} strides {out.stride()}")
     dummy = x  # never read when its flag is off
     grid = (triton.cdiv(out_features, tiles.block_n),)
     with device_guard(x):
@@ -179,8 +185,10 @@ def _cublas_path(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
             x32 = x.float()
             x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
     if silu_and_mul:
+        if residual is not None and residual.stride(-1) != 1:
+            residual = residual.contiguous()
         return silu_and_mul_rows(torch.nn.functional.linear(x, weight, bias), residual)
     if residual is not None and bias is None:
-        return torch.addmm(residual, x, weight.t())
+        return torch.addmm(residual, x, weight.t()).contiguous()
     y = torch.nn.functional.linear(x, weight, bias)
-    return y if residual is None else residual + y
+    return y if residual is None else (residual + y).contiguous()
