@@ -20,6 +20,7 @@ from torch import Tensor
 from . import reference
 from .validation import FLOAT_DTYPES, check_dtype, check_ndim
 
+
 @torch.library.custom_op("compiled_attn::fused_linear", mutates_args=())
 def fused_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
                     norm_eps: float, residual: Tensor | None, silu_and_mul: bool) -> Tensor:
