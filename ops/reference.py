@@ -183,13 +183,18 @@ def swap_blocks(src, dst, block_mapping):
     dst[block_mapping[:, 1].to(dst.device)] = src[block_mapping[:, 0].to(src.device)].to(dst.device)
 
 
+def rms_norm(x, weight, eps):
+    """Hugging Face ``LlamaRMSNorm`` over the last dim: statistics in float32 (float64
+    stays), cast back, times ``weight``."""
+    x32 = x.to(_compute_dtype(x.dtype))
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
     """``residual + act(F.linear(rms_norm(x), weight, bias))``, each part optional, in the
     rounding order of the unfused Hugging Face Llama code (see :func:`compiled_attn.ops.fused_linear`)."""
     if norm_weight is not None:
-        x32 = x.to(_compute_dtype(x.dtype))
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)
-        x = norm_weight * normed.to(x.dtype)
+        x = rms_norm(x, norm_weight, norm_eps)
     y = torch.nn.functional.linear(x, weight, bias)
     if silu_and_mul:
         gate, up = y.chunk(2, dim=-1)

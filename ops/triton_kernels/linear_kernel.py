@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
 from .launch_utils import device_guard, next_power_of_2
 from .norm_act_kernel import MAX_NORM_WIDTH, rms_norm
 from .norm_act_kernel import silu_and_mul as silu_and_mul_rows
@@ -178,15 +179,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _cublas_path(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul) -> torch.Tensor:
     """RMSNorm kernel, cuBLAS GEMM (``addmm`` folds a residual in), SwiGLU kernel."""
     if norm_weight is not None:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        if x.shape[1] <= MAX_NORM_WIDTH:
-            x = rms_norm(x, norm_weight.contiguous(), norm_eps)
-        else:
-            x32 = x.float()
-            x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+        norm = rms_norm if x.shape[1] <= MAX_NORM_WIDTH else reference.rms_norm
+        x = norm(x, norm_weight, norm_eps)
     if silu_and_mul:
-        if residual is not None and residual.stride(-1) != 1:
-            residual = residual.contiguous()
         return silu_and_mul_rows(torch.nn.functional.linear(x, weight, bias), residual)
     if residual is not None and bias is None:
         return torch.addmm(residual, x, weight.t()).contiguous()

@@ -49,8 +49,10 @@ def silu_and_mul_kernel(y_ptr, res_ptr, out_ptr, N, stride_ym, stride_rm, stride
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row of ``x`` ``[M, K]`` (unit column stride, ``K <= MAX_NORM_WIDTH``)
-    with ``weight`` ``[K]``; a new ``[M, K]`` tensor."""
+    """RMSNorm of each row of ``x`` ``[M, K]`` (``K <= MAX_NORM_WIDTH``; a non-unit column
+    stride is copied) with ``weight`` ``[K]``; a new ``[M, K]`` tensor."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous()
     rows, width = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows:
@@ -61,7 +63,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_and_mul(y: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(y[:, :N]) * y[:, N:]`` (``+ residual`` ``[M, N]``) for ``y`` ``[M, 2N]``."""
+    """``silu(y[:, :N]) * y[:, N:]`` (``+ residual`` ``[M, N]``) for ``y`` ``[M, 2N]``; inputs
+    with a non-unit column stride are copied."""
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     rows, width = y.shape
     half = width // 2
     out = torch.empty((rows, half), dtype=y.dtype, device=y.device)
