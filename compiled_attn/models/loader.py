@@ -16,6 +16,7 @@ Loading checks names and shapes against the Hugging Face names, permutes heads, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -141,19 +142,29 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_config(model_dir: str | Path) -> DiffLlamaConfig:
-    """Read ``model_dir/config.json``.
+    """Read ``model_dir/config.json`` (and ``eos_token_id`` from ``generation_config.json``,
+    which transformers' ``generate`` prefers), every field checked before anything is built.
 
     Raises:
         FileNotFoundError: no directory or no ``config.json``.
-        ValueError: not a DiffLlama config (see :meth:`DiffLlamaConfig.from_hf_dict`).
+        ValueError: unreadable JSON, not a DiffLlama config, an unsupported option or a
+            field of the wrong type or range (see :meth:`DiffLlamaConfig.from_hf_dict`);
+            the message starts with the file's path and names the field and the value.
     """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
-    config = DiffLlamaConfig.from_hf_dict(_read_json(path))
+    values = _read_json(path)  # its errors name the file already
+    try:
+        config = DiffLlamaConfig.from_hf_dict(values)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     generation = Path(model_dir) / "generation_config.json"  # transformers' generate reads EOS here
     if generation.is_file() and "eos_token_id" in (values := _read_json(generation)):
-        config.eos_token_id = values["eos_token_id"]
+        try:
+            config = dataclasses.replace(config, eos_token_id=values["eos_token_id"])  # re-checked
+        except ValueError as err:
+            raise ValueError(f"{generation}: {err}") from None
     return config
 
 
@@ -181,21 +192,42 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         The model in eval mode with gradients off.
 
     Raises:
-        FileNotFoundError: missing config or weight files.
-        ValueError: not a DiffLlama, unreadable JSON or safetensors, or tensors missing /
-            unexpected / of the wrong shape (named as in the checkpoint: ``q_proj``, not
-            ``qkv_proj``).
+        FileNotFoundError: no ``model_dir``, no ``config.json``, no ``model.safetensors``
+            (nor index), or shards listed in the index that are absent.
+        ValueError: every other problem, so the CLI exits 2 with the message:
+
+            * ``config.json`` (or ``generation_config.json``) is not valid JSON or not an
+              object;
+            * not a DiffLlama (``model_type``), or an option this implementation lacks:
+              RoPE scaling (``rope_scaling`` / ``rope_parameters`` of a type other than
+              ``'default'``), ``hidden_act`` other than SiLU, ``attention_dropout`` > 0;
+            * a config field of the wrong type or range, checked before any tensor is
+              read or allocated (sizes ints > 0, ``rms_norm_eps`` / ``rope_theta``
+              finite > 0, booleans bools, token ids ints, ...; see
+              :func:`compiled_attn.models.config._validate_fields`), head counts or a head
+              size the differential layers cannot use, or a bad ``kv_sharing`` map; the
+              message names the field, the value given and what is allowed;
+            * a weight file that is not readable safetensors (truncated, oversized or
+              corrupt header);
+            * a tensor holding NaN or infinity (named as in the checkpoint, with its file);
+            * tensors missing, unexpected or of the wrong shape for the config (named as in
+              the checkpoint: ``q_proj``, not ``qkv_proj``), found before the model is
+              allocated.
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     state = {}
     for path in _weight_files(model_dir):
         try:
-            state.update(load_file(path))
+            tensors = load_file(path)
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
-    model = DiffLlamaForCausalLM(config)
-    expected = unfuse_state_dict(model.state_dict(), config)  # Hugging Face names and shapes
+        for name, tensor in tensors.items():
+            _check_finite(name, tensor, path)
+        state.update(tensors)
+    with torch.device("meta"):  # names and shapes only: nothing is allocated yet
+        skeleton = DiffLlamaForCausalLM(config)
+    expected = unfuse_state_dict(skeleton.state_dict(), config)  # Hugging Face names and shapes
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         del expected["lm_head.weight"]
@@ -213,8 +245,20 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         heads = projection_heads(key, config)
         if heads is not None:
             state[key] = halves_to_interleaved(state[key], heads)
+    model = DiffLlamaForCausalLM(config)
     model.load_state_dict(fuse_state_dict(state, config), strict=False)  # lm_head is absent when tied
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _check_finite(name: str, tensor: torch.Tensor, path: Path) -> None:
+    """Raise ValueError when floating-point ``tensor`` holds NaN or infinity."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan = int(torch.isnan(tensor).sum())
+        inf = int(torch.isinf(tensor).sum())
+        raise ValueError(
+            f"tensor {name} in {path} holds non-finite values ({nan} NaN, {inf} inf of "
+            f"{tensor.numel()}); every weight must be a finite number"
+        )
 
 
 def _first(items: list[str], n: int = 5) -> str:
