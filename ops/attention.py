@@ -1,15 +1,23 @@
-"""Attention ops: paged and varlen, plain and differential.
+"""Attention ops: paged and varlen, each plain or differential (an optional ``lambda_full``).
 
-Each op is a ``torch.library`` custom op in the ``compiled_attn`` namespace with a fake
-implementation (shapes only, for FakeTensor tracing, ``torch.compile`` and
-``torch.export``) and the plain-PyTorch reference of :mod:`compiled_attn.ops.reference`
-as its kernel on every device. Faster device kernels register themselves on top with
-``register_kernel`` (see :mod:`compiled_attn.ops.backends`).
+Two ops in the ``compiled_attn`` namespace, defined directly on the dispatcher
+(:mod:`.library`): a fake implementation gives shapes to tracing, the plain-PyTorch
+reference of :mod:`.reference` is the kernel on every device, and the Triton launchers take
+over on CUDA (:mod:`.backends`). Schema tails, shared by both ops::
 
-The public functions below fill in defaults (``scale = head_size ** -0.5``) and, when
-called eagerly, validate their arguments before any kernel runs. Under
-``torch.compile`` they trace straight to the op; the fake implementations still check
-shapes and dtypes at trace time.
+    Tensor? lambda_full, float scale, bool causal, SymInt window_left, SymInt window_right,
+    float softcap, Tensor? alibi_slopes, Tensor? scale_softcap
+
+``scale_softcap`` (float32 ``[2]``) carries ``(scale, softcap)`` as tensor values, which then
+replace the two float arguments (a softcap of 0 still turns capping off). Under
+``torch.compile`` a float argument that changes between calls would specialize the graph
+on each value (Dynamo cannot keep a float symbolic once it reaches an op's ``float``), so
+the public functions pass their floats this way while tracing; eager calls, and layers
+whose options are constants, pass floats.
+
+The public functions fill in defaults (``scale = head_size ** -0.5``) and, called eagerly,
+check their arguments before any kernel runs (types, shapes and dtypes on the host; metadata
+values with one device-to-host read, see :mod:`.value_checks`).
 """
 
 from __future__ import annotations
@@ -18,110 +26,83 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .validation import (
-    check_call_options,
-    check_paged_args,
-    check_paged_values,
-    check_varlen_args,
-    check_varlen_values,
-    should_check_values,
-)
+from .library import define_op
+from .validation import check_call_options, check_paged_args, check_scalars, check_varlen_args
+from .value_checks import check_paged_values, check_varlen_values, should_check
 
 Window = tuple[int, int]
 
+OPTIONS_SCHEMA = ("Tensor? lambda_full, float scale, bool causal, SymInt window_left, "
+                  "SymInt window_right, float softcap, Tensor? alibi_slopes, Tensor? scale_softcap")
 
-def _differential_shape(query: Tensor) -> tuple[int, int, int]:
+
+def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
+    """``[T, Hq, D]`` (plain) or ``[T, Hq/2, 2D]`` (differential) for ``query`` ``[T, Hq, D]``."""
     num_tokens, num_heads, head_size = query.shape
-    return (num_tokens, num_heads // 2, 2 * head_size)
+    return (num_tokens, num_heads // 2, 2 * head_size) if differential else (num_tokens, num_heads, head_size)
 
 
-# --- paged attention ------------------------------------------------------------------
+def resolve_scalars(scale: float, softcap: float, scale_softcap: Tensor | None):
+    """``(scale, softcap)`` as floats: the arguments, or the values ``scale_softcap`` carries."""
+    if scale_softcap is None:
+        return scale, softcap
+    scale, softcap = scale_softcap.tolist()
+    return scale, softcap
 
 
-@torch.library.custom_op("compiled_attn::paged_attention", mutates_args=())
-def paged_attention_op(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
-    seq_lens: Tensor, block_table: Tensor, scale: float, causal: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None,
-) -> Tensor:
-    return reference.paged_attention(
-        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, None,
-        scale, causal, window_left, window_right, softcap, alibi_slopes,
-    )
+def _paged_reference(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                     scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap):
+    scale, softcap = resolve_scalars(scale, softcap, scale_softcap)
+    return reference.paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
+                                     lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes)
 
 
-@paged_attention_op.register_fake
-def _(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, causal,
-      window_left, window_right, softcap, alibi_slopes):
-    check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                     None, window_left, window_right, softcap, alibi_slopes)
-    return query.new_empty(query.shape)  # the kernels return contiguous tensors
+def _paged_fake(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap):
+    check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                     window_left, window_right, softcap, alibi_slopes, scale_softcap)
+    return query.new_empty(output_shape(query, lambda_full is not None))  # kernels return contiguous
 
 
-@torch.library.custom_op("compiled_attn::differential_paged_attention", mutates_args=())
-def differential_paged_attention_op(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
-    seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor, scale: float, causal: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None,
-) -> Tensor:
-    return reference.paged_attention(
-        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-        scale, causal, window_left, window_right, softcap, alibi_slopes,
-    )
+PAGED_ATTENTION = define_op(
+    "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
+    f"Tensor seq_lens, Tensor block_table, {OPTIONS_SCHEMA}) -> Tensor",
+    _paged_reference, _paged_fake)
 
 
-@differential_paged_attention_op.register_fake
-def _(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
-      causal, window_left, window_right, softcap, alibi_slopes):
-    check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                     lambda_full, window_left, window_right, softcap, alibi_slopes)
-    return query.new_empty(_differential_shape(query))
+def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                      window_right, softcap, alibi_slopes, scale_softcap):
+    scale, softcap = resolve_scalars(scale, softcap, scale_softcap)
+    return reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
+                                      window_left, window_right, softcap, alibi_slopes)
 
 
-# --- varlen attention over contiguous k/v ------------------------------------------------
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                 window_right, softcap, alibi_slopes, scale_softcap):
+    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left, window_right,
+                      softcap, alibi_slopes, scale_softcap)
+    return q.new_empty(output_shape(q, lambda_full is not None))
 
 
-@torch.library.custom_op("compiled_attn::varlen_attention", mutates_args=())
-def varlen_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-    alibi_slopes: Tensor | None,
-) -> Tensor:
-    return reference.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, None,
-        scale, causal, window_left, window_right, softcap, alibi_slopes,
-    )
-
-
-@varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
-      alibi_slopes):
-    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, None, window_left, window_right,
-                      softcap, alibi_slopes)
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("compiled_attn::differential_varlen_attention", mutates_args=())
-def differential_varlen_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    lambda_full: Tensor, scale: float, causal: bool, window_left: int, window_right: int,
-    softcap: float, alibi_slopes: Tensor | None,
-) -> Tensor:
-    return reference.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
-        scale, causal, window_left, window_right, softcap, alibi_slopes,
-    )
-
-
-@differential_varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
-      window_right, softcap, alibi_slopes):
-    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left,
-                      window_right, softcap, alibi_slopes)
-    return q.new_empty(_differential_shape(q))
+VARLEN_ATTENTION = define_op(
+    "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    f"{OPTIONS_SCHEMA}) -> Tensor",
+    _varlen_reference, _varlen_fake)
 
 
 # --- public API ----------------------------------------------------------------------------
+
+
+def _scalars(query: Tensor, scale: float | None, softcap: float) -> tuple[float, float, Tensor | None]:
+    """The op's ``scale``, ``softcap`` and ``scale_softcap`` arguments: the floats (default
+    scale ``head_size ** -0.5``; values checked) when eager, or, while tracing, the
+    ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling():
+        one = query.new_ones((), dtype=torch.float32)
+        return 1.0, 0.0, torch.stack((one * scale, one * softcap))
+    check_scalars(scale, softcap)
+    return scale, softcap, None
 
 
 def paged_attention(
@@ -138,8 +119,8 @@ def paged_attention(
     included, already written by :func:`reshape_and_cache`), stored in blocks
     ``block_table[b, :ceil(seq_lens[b] / block_size)]``. Semantics follow
     ``flash_attn_with_kvcache`` (bottom-right causal alignment, GQA/MQA, sliding window,
-    softcap, ALiBi); the reference docstring of :mod:`compiled_attn.ops.reference` gives
-    the exact math. Rows that see no key (padding, ``seq_lens[b] == 0``) are zeros.
+    softcap, ALiBi); the docstring of :mod:`compiled_attn.ops.reference` gives the exact
+    math. Rows that see no key (padding, ``seq_lens[b] == 0``) are zeros.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]`` float16, bfloat16 or float32.
@@ -165,25 +146,21 @@ def paged_attention(
         ``[num_tokens, num_heads // 2, 2 * head_size]`` (differential), query's dtype.
 
     Raises:
-        TypeError: wrong dtype (e.g. ``block_table`` not int32), ``scale`` or
+        TypeError: wrong dtype (e.g. ``block_table`` not int32), ``scale``, ``softcap`` or
             ``window_size`` of the wrong type.
         ValueError: inconsistent shapes, unsupported head size or head counts, and when
             eager: block ids outside the cache, ``seq_lens`` beyond the block table,
-            malformed ``cu_seqlens_q``; ``scale`` not finite and > 0.
+            malformed ``cu_seqlens_q``, ``scale`` not finite and > 0, ``softcap`` < 0.
     """
-    check_call_options(scale, window_size)
-    window_left, window_right = window_size
+    window_left, window_right = check_call_options(scale, window_size, softcap)
     if not torch.compiler.is_compiling():
-        check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                         lambda_full, window_left, window_right, softcap, alibi_slopes)
-        if should_check_values(query):
-            check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    options = (scale, causal, window_left, window_right, softcap, alibi_slopes)
-    metadata = (cu_seqlens_q, seq_lens, block_table)
-    if lambda_full is None:
-        return paged_attention_op(query, key_cache, value_cache, *metadata, *options)
-    return differential_paged_attention_op(query, key_cache, value_cache, *metadata, lambda_full, *options)
+        check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                         window_left, window_right, softcap, alibi_slopes)
+    scale, softcap, scale_softcap = _scalars(query, scale, softcap)
+    if should_check(query):
+        check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table)
+    return PAGED_ATTENTION(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                           scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
 
 
 def varlen_attention(
@@ -194,8 +171,9 @@ def varlen_attention(
     """Attention over packed contiguous q/k/v, as ``flash_attn_varlen_func``.
 
     For prefills with no cached context, encoders (``causal=False``) and training-style
-    batches. Sequence ``b`` owns queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and keys
-    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.
+    batches (the op has a backward: gradients reach ``q``, ``k``, ``v`` and
+    ``lambda_full``). Sequence ``b`` owns queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and
+    keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.
 
     Args:
         q: ``[total_q, num_heads, head_size]``; k, v: ``[total_k, num_kv_heads, head_size]``,
@@ -209,17 +187,15 @@ def varlen_attention(
         ``[total_q, num_heads // 2, 2 * head_size]``, in q's dtype.
 
     Raises:
-        TypeError, ValueError: as :func:`paged_attention`.
+        TypeError, ValueError: as :func:`paged_attention` (malformed ``cu_seqlens_q`` or
+        ``cu_seqlens_k`` when eager).
     """
-    check_call_options(scale, window_size)
-    window_left, window_right = window_size
+    window_left, window_right = check_call_options(scale, window_size, softcap)
     if not torch.compiler.is_compiling():
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left,
-                          window_right, softcap, alibi_slopes)
-        if should_check_values(q):
-            check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    options = (scale, causal, window_left, window_right, softcap, alibi_slopes)
-    if lambda_full is None:
-        return varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
-    return differential_varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, *options)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left, window_right,
+                          softcap, alibi_slopes)
+    scale, softcap, scale_softcap = _scalars(q, scale, softcap)
+    if should_check(q):
+        check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    return VARLEN_ATTENTION(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                            window_right, softcap, alibi_slopes, scale_softcap)

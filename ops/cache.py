@@ -1,8 +1,8 @@
 """KV-cache ops: ``reshape_and_cache``, ``copy_blocks`` and ``swap_blocks``.
 
-Custom ops of the ``compiled_attn`` namespace that write the paged cache in place (their
-schemas declare the written tensors in ``mutates_args``), with the reference of
-:mod:`compiled_attn.ops.reference` on every device; faster kernels register on top.
+Ops of the ``compiled_attn`` namespace (defined as :mod:`.library` says) that write the
+paged cache in place (their schemas mark the written tensors ``(a!)``), with the reference
+of :mod:`compiled_attn.ops.reference` on every device; faster kernels register on top.
 Semantics follow vLLM's ``reshape_and_cache_flash``, ``copy_blocks`` and ``swap_blocks``.
 """
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .library import define_op
 from .validation import (
     FLOAT_DTYPES,
     check_block_mapping,
@@ -20,43 +21,29 @@ from .validation import (
     check_distinct_destinations,
     check_dtype,
     check_ndim,
-    check_slot_values,
-    should_check_values,
 )
+from .value_checks import check_slot_values, should_check
 
 PAD_SLOT_ID = -1
 """Slot of a token that must not be written (padding rows of a captured batch)."""
 
 
-@torch.library.custom_op("compiled_attn::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
-def reshape_and_cache_op(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                         slot_mapping: Tensor) -> None:
-    reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-@reshape_and_cache_op.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping):
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
     check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
 
 
-@torch.library.custom_op("compiled_attn::copy_blocks", mutates_args=("key_caches", "value_caches"))
-def copy_blocks_op(key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor) -> None:
-    reference.copy_blocks(key_caches, value_caches, block_mapping)
+RESHAPE_AND_CACHE = define_op(
+    "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping) -> ()",
+    reference.reshape_and_cache, _reshape_and_cache_fake)
 
+COPY_BLOCKS = define_op(
+    "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()",
+    reference.copy_blocks, lambda key_caches, value_caches, block_mapping: None)
 
-@copy_blocks_op.register_fake
-def _(key_caches, value_caches, block_mapping):
-    return None
-
-
-@torch.library.custom_op("compiled_attn::swap_blocks", mutates_args=("dst",))
-def swap_blocks_op(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
-    reference.swap_blocks(src, dst, block_mapping)
-
-
-@swap_blocks_op.register_fake
-def _(src, dst, block_mapping):
-    return None
+SWAP_BLOCKS = define_op(
+    "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()",
+    reference.swap_blocks, lambda src, dst, block_mapping: None)
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
@@ -77,9 +64,9 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     """
     if not torch.compiler.is_compiling():
         check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
-        if should_check_values(slot_mapping):
+        if should_check(slot_mapping):
             check_slot_values(key_cache, slot_mapping)
-    reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping)
+    RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor) -> None:
@@ -111,7 +98,7 @@ def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapp
     (n,) = num_blocks
     check_block_mapping(block_mapping, n, n)
     check_distinct_destinations(block_mapping)
-    copy_blocks_op(key_caches, value_caches, block_mapping)
+    COPY_BLOCKS(key_caches, value_caches, block_mapping)
 
 
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
@@ -135,4 +122,4 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
         raise ValueError(f"src and dst blocks differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
     check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
     check_distinct_destinations(block_mapping)
-    swap_blocks_op(src, dst, block_mapping)
+    SWAP_BLOCKS(src, dst, block_mapping)

@@ -3,11 +3,12 @@
 ``residual + act(rms_norm(x) @ weight.T + bias)``, each part optional, where ``act`` is
 nothing or SwiGLU's ``silu(gate) * up`` over the two halves of the output (vLLM
 ``MergedColumnParallelLinear`` followed by ``SiluAndMul``). One custom op in the
-``compiled_attn`` namespace: the reference of :mod:`compiled_attn.ops.reference` on every
-device, and on CUDA :func:`compiled_attn.ops.triton_kernels.fused_linear`: one fused
-GEMV kernel for one row (a batch-1 decode step, where the GEMM is a weight read), cuBLAS
-between a norm kernel and a SwiGLU kernel for more (float64 keeps the reference). The op
-has an autograd formula: the ``torch.func.vjp`` of the reference, recomputing the forward.
+``compiled_attn`` namespace (:mod:`.library`): the reference of
+:mod:`compiled_attn.ops.reference` on every device, and on CUDA
+:func:`compiled_attn.ops.triton_kernels.fused_linear`: one fused GEMV kernel for one row (a
+batch-1 decode step, where the GEMM is a weight read), cuBLAS between a norm kernel and a
+SwiGLU kernel for more (float64 keeps the reference). The op has an autograd formula, the
+explicit gradients of :func:`compiled_attn.ops.gradients.fused_linear_backward`.
 """
 
 from __future__ import annotations
@@ -18,48 +19,36 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .gradients import fused_linear_backward
+from .library import LIBRARY, define_op
 from .validation import FLOAT_DTYPES, check_dtype, check_ndim
 
 
-@torch.library.custom_op("compiled_attn::fused_linear", mutates_args=())
-def fused_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
-                    norm_eps: float, residual: Tensor | None, silu_and_mul: bool) -> Tensor:
-    return reference.fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
-
-
-@fused_linear_op.register_fake
-def _(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
+def _fake(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul):
     out_features = check_linear_args(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
     return x.new_empty((x.shape[0], out_features))
 
 
-TENSOR_ARGS = (0, 1, 2, 3, 5)  # x, weight, bias, norm_weight, residual in the op's schema
+FUSED_LINEAR = define_op(
+    "fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float norm_eps, "
+    "Tensor? residual, bool silu_and_mul) -> Tensor",
+    reference.fused_linear, _fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*(inputs[i] for i in TENSOR_ARGS))
-    ctx.norm_eps, ctx.silu_and_mul = inputs[4], inputs[6]
+    x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul = inputs
+    ctx.save_for_backward(x, weight, bias, norm_weight, residual)
+    ctx.norm_eps, ctx.silu_and_mul = norm_eps, silu_and_mul
 
 
 def _backward(ctx, grad_out):
-    saved = ctx.saved_tensors
-    wanted = [i for i, t in enumerate(saved) if t is not None and ctx.needs_input_grad[TENSOR_ARGS[i]]]
-
-    def forward(*primals):
-        tensors = list(saved)
-        for i, t in zip(wanted, primals):
-            tensors[i] = t
-        x, weight, bias, norm_weight, residual = tensors
-        return reference.fused_linear(x, weight, bias, norm_weight, ctx.norm_eps, residual, ctx.silu_and_mul)
-
-    _, vjp = torch.func.vjp(forward, *(saved[i] for i in wanted))
-    grads = [None] * 7
-    for i, grad in zip(wanted, vjp(grad_out)):
-        grads[TENSOR_ARGS[i]] = grad
-    return tuple(grads)
+    x, weight, bias, norm_weight, residual = ctx.saved_tensors
+    dx, dweight, dbias, dnorm_weight, dresidual = fused_linear_backward(
+        grad_out, x, weight, bias, norm_weight, ctx.norm_eps, residual, ctx.silu_and_mul, ctx.needs_input_grad)
+    return dx, dweight, dbias, dnorm_weight, None, dresidual, None
 
 
-fused_linear_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(FUSED_LINEAR, _backward, setup_context=_setup_context, lib=LIBRARY)
 
 
 def check_linear_args(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul) -> int:
@@ -129,6 +118,4 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     """
     if not torch.compiler.is_compiling():
         check_linear_args(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
-    if residual is not None:
-        residual = residual.contiguous()  # the output takes the residual's layout otherwise
-    return fused_linear_op(x, weight, bias, norm_weight, float(norm_eps), residual, silu_and_mul)
+    return FUSED_LINEAR(x, weight, bias, norm_weight, float(norm_eps), residual, silu_and_mul)

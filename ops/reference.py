@@ -1,10 +1,14 @@
 """Reference implementations of the ``compiled_attn`` ops in plain PyTorch.
 
 These are the CPU kernels of every op (and the fallback on any device without a
-faster kernel). They favour clarity over speed: one sequence at a time, an explicit
-boolean mask, arithmetic in float32 (float64 inputs stay float64). The masking,
-softcap and ALiBi conventions follow ``flash_attn.flash_attn_varlen_func`` and
-``flash_attn.flash_attn_with_kvcache`` (flash-attn 2.x):
+faster kernel), arithmetic in float32 (float64 inputs stay float64). The attention
+kernels work on the whole batch at once, with no Python loop over sequences or heads
+(a loop costs more than the math at decode sizes): each sequence's keys are gathered
+up to the longest one's, queries are padded to the most any sequence has, one mask
+hides what a query may not see, and two batched matmuls do the rest (see
+:func:`_attend`). The masking, softcap and ALiBi conventions follow
+``flash_attn.flash_attn_varlen_func`` and ``flash_attn.flash_attn_with_kvcache``
+(flash-attn 2.x):
 
 * keys and queries are aligned bottom-right: query ``i`` of a sequence with ``q_len``
   queries and ``k_len`` keys sits at key position ``i + k_len - q_len``;
@@ -24,86 +28,147 @@ pair ``j`` is head ``2j``, component 2 is head ``2j + 1``).
 from __future__ import annotations
 
 import torch
-from einops import rearrange, repeat
+
+
+_HIDDEN = torch.finfo(torch.float32).min
+"""Added to the score of a hidden key: finite, so that a row that sees no key gets finite
+probabilities (zeroed afterwards) and finite gradients, yet its ``exp`` is exactly 0 next to
+any visible score, in float32 and float64."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-) -> torch.Tensor:
-    """Attention of one sequence; returns float32 (float64 for float64 inputs).
+def _out_shape(query: torch.Tensor, differential: bool) -> tuple[int, int, int]:
+    num_tokens, num_heads, head_size = query.shape
+    return (num_tokens, num_heads // 2, 2 * head_size) if differential else (num_tokens, num_heads, head_size)
+
+
+def _past_end(seq_lens: torch.Tensor, k_lens: list[int], max_k: int) -> torch.Tensor | None:
+    """``[max_k, B]`` bool: key ``j`` lies past the end of sequence ``b`` (``None``: no
+    such key, every sequence has ``max_k``)."""
+    if min(k_lens) == max_k:
+        return None
+    return torch.arange(max_k, dtype=seq_lens.dtype, device=seq_lens.device).unsqueeze(1) >= seq_lens
+
+
+def _key_index(index: torch.Tensor, past_end: torch.Tensor | None, k_lens: list[int]) -> torch.Tensor:
+    """Flattens a key-major ``[max_k, B]`` index of keys, first pointing the keys past a
+    sequence's end at the longest sequence's keys: real, finite values (garbage such as
+    NaN would survive its zero probability), in range, and masked anyway."""
+    if past_end is not None:
+        longest = k_lens.index(max(k_lens))
+        index = torch.where(past_end, index[:, longest : longest + 1], index)
+    return index.flatten()
+
+
+def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_full,
+            scale, causal, window_left, window_right, softcap, alibi_slopes):
+    """Plain or differential attention of a whole batch in two ``bmm`` calls.
+
+    Queries are padded to ``[B, max_q]`` rows. The query heads that read one KV head (its
+    GQA group and, differential, one component of each pair of the group) are the rows of
+    one matrix, so the scores are ``[B * Hkv, rows, max_k]``, one ``bmm`` over the
+    ``(sequence, KV head)`` pairs. Differential probabilities are combined before they meet
+    the values, ``a1 - lambda * a2 = (p1 - lambda * p2) @ [v1, v2]``, so the second ``bmm``
+    reads each KV pair's values once for both components.
 
     Args:
-        q: ``[q_len, Hq, D]`` queries.
-        k: ``[k_len, Hkv, D]`` keys, ``Hq % Hkv == 0`` (query head ``h`` reads KV head
-            ``h // (Hq // Hkv)``, as flash-attn's GQA).
-        v: ``[k_len, Hkv, Dv]`` values.
-        scale, causal, window_left, window_right, softcap: see the module docstring.
-        alibi_slopes: ``[Hq]`` float32 or ``None``.
+        query: ``[T, Hq, D]`` packed queries, ``T >= 1``.
+        key, value: ``[max_k, B * Hkv, D]`` in the inputs' dtype, key-major (key ``j`` of
+            every sequence and KV head side by side), so that each ``(sequence, KV head)``
+            matrix is a strided view that ``bmm`` reads without a copy. Keys past a
+            sequence's end must be finite (see :func:`_key_index`); they are masked.
+        cu_seqlens_q, seq_lens: ``[B + 1]`` and ``[B]`` int tensors.
+        k_lens: ``seq_lens`` as a list, ``max(k_lens) == max_k >= 1``.
+        past_end: :func:`_past_end` of ``seq_lens``.
+        lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes: see
+            the module docstring.
 
     Returns:
-        ``[q_len, Hq, Dv]``.
+        ``[T, Hq, D]`` or, differential, ``[T, Hq // 2, 2 * D]``: a new contiguous tensor
+        in the query's dtype.
     """
-    dtype = _compute_dtype(q.dtype)
-    q_len, num_heads, _ = q.shape
-    k_len, num_kv_heads, _ = k.shape
+    dtype = _compute_dtype(query.dtype)
+    differential = lambda_full is not None
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs = len(k_lens)
+    max_k, num_kv_heads = key.shape[0], key.shape[1] // num_seqs
     group = num_heads // num_kv_heads
-    k = repeat(k.to(dtype), "k h d -> k (h g) d", g=group)
-    v = repeat(v.to(dtype), "k h d -> k (h g) d", g=group)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+
+    # Queries as [B, max_q] rows: the query itself when every sequence has max_q of them.
+    max_q = -(-num_tokens // num_seqs)
+    if cu_seqlens_q.tolist() == list(range(0, num_tokens + 1, max_q)):
+        valid, q_lens, q = None, max_q, query
+    else:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        max_q = int(q_lens.max())
+        valid = torch.arange(max_q, device=query.device) < q_lens.unsqueeze(1)  # [B, max_q]
+        q = query.new_zeros(num_seqs, max_q, num_heads, head_size).index_put((valid,), query)
+
+    # The rows of KV head h are (query head of its group, query). Differential heads are
+    # interleaved pairs: pair j = m * group + r reads KV pair m, its component c reads
+    # component c, so KV head 2m + c serves component c of pairs m * group + r.
+    if differential:
+        q = q.view(num_seqs, max_q, num_kv_heads // 2, group, 2, head_size).permute(0, 2, 4, 3, 1, 5)
+        rows = (num_seqs, num_kv_heads // 2, 2, group, max_q, max_k)
+    else:
+        q = q.view(num_seqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+        rows = (num_seqs, num_kv_heads, group, max_q, max_k)
+    q = q.reshape(num_seqs * num_kv_heads, group * max_q, head_size)
+    if q.dtype != dtype:
+        q, key, value = q.to(dtype), key.to(dtype), value.to(dtype)
+    scores = torch.bmm(q, key.permute(1, 2, 0)).view(rows)
     if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    # Key position of each query (bottom-right alignment) minus key index.
-    query_pos = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
-    distance = query_pos - torch.arange(k_len, device=q.device)[None, :]
+        scores = softcap * torch.tanh(scores * (scale / softcap))
+    else:
+        scores.mul_(scale)
+
+    # Key position of query i of sequence b (bottom-right aligned) minus key index.
+    distance = None
+    if alibi_slopes is not None or window_left >= 0 or (window_right >= 0 and not causal) or (causal and max_q > 1):
+        steps = dict(dtype=seq_lens.dtype, device=seq_lens.device)
+        position = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, **steps)
+        distance = position.unsqueeze(2) - torch.arange(max_k, **steps)  # [B, max_q, max_k]
+    per_query = (num_seqs,) + (1,) * (len(rows) - 3)  # + (max_q, max_k): broadcast over heads
     if alibi_slopes is not None:
-        scores = scores - alibi_slopes.to(dtype)[:, None, None] * distance.abs()
-    visible = torch.ones_like(distance, dtype=torch.bool)
-    if causal:
-        visible &= distance >= 0
+        slopes = alibi_slopes.to(dtype)
+        if differential:  # head 2j + c with j = m * group + r, as the rows: (m, c, r)
+            slopes = slopes.view(num_kv_heads // 2, group, 2).transpose(1, 2)
+        scores.sub_(slopes.reshape(*rows[1:-2], 1, 1) * distance.abs().view(*per_query, max_q, max_k))
+    masks = []  # of the keys hidden from the real query rows (padded rows are thrown away)
+    if causal and distance is not None:
+        masks.append(distance < 0)  # hides the keys past the end too
+    elif past_end is not None:  # (for causal single queries, this is the causal mask)
+        masks.append(past_end.t().unsqueeze(1))
     if window_left >= 0:
-        visible &= distance <= window_left
-    if window_right >= 0:
-        visible &= distance >= -window_right
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)  # no key -> 0
-    return torch.einsum("hqk,khd->qhd", probs, v)
+        masks.append(distance > window_left)
+    if window_right >= 0 and not causal:
+        masks.append(distance < -window_right)
+    hidden = None
+    for mask in masks:
+        hidden = mask if hidden is None else hidden | mask
+    if hidden is not None:
+        hidden = hidden.view(*per_query, hidden.shape[1], max_k)
+        scores.add_(torch.where(hidden, _HIDDEN, 0.0))  # (faster than masked_fill_)
+    probs = torch.softmax(scores, dim=-1)
+    # A row sees no key only when its sequence has more queries than keys.
+    if hidden is not None and (min(k_lens) < max_q if valid is None else bool((q_lens > seq_lens).any())):
+        probs = probs.masked_fill(hidden, 0.0)
 
-
-def differential_attend(q, k, v, lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes):
-    """Differential attention of one sequence over interleaved head pairs.
-
-    Args:
-        q: ``[q_len, Hq, D]``, ``Hq`` even; ``k, v``: ``[k_len, Hkv, D]``, ``Hkv`` even.
-        lambda_full: float32 tensor of shape ``[]`` or ``[Hq // 2]``.
-
-    Returns:
-        ``[q_len, Hq // 2, 2 * D]`` in float32 (float64 for float64 inputs):
-        ``attn(q1, k1, [v1, v2]) - lambda * attn(q2, k2, [v1, v2])``.
-    """
-    v_pair = rearrange(v, "k (h two) d -> k h (two d)", two=2)
-    slopes = (None, None) if alibi_slopes is None else (alibi_slopes[0::2], alibi_slopes[1::2])
-    options = (scale, causal, window_left, window_right, softcap)
-    a1 = attend(q[:, 0::2], k[:, 0::2], v_pair, *options, slopes[0])
-    a2 = attend(q[:, 1::2], k[:, 1::2], v_pair, *options, slopes[1])
-    lam = lambda_full.to(a1.dtype).reshape(-1)[:, None]  # [1 or H/2, 1], broadcast over pairs
-    return a1 - lam * a2
-
-
-def _gather_paged(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Keys or values of one sequence, ``[seq_len, Hkv, D]``, from a paged cache."""
-    return cache[block_ids].flatten(0, 1)[:seq_len]
+    if differential:
+        p1, p2 = probs.unbind(2)
+        lam = lambda_full if lambda_full.dtype == dtype else lambda_full.to(dtype)
+        if lam.numel() > 1:
+            lam = lam.view(num_kv_heads // 2, group, 1, 1)
+        probs = torch.addcmul(p1, p2, lam, value=-1)  # p1 - lambda * p2, [B, pairs, group, max_q, max_k]
+        value = value.view(max_k, -1, 2 * head_size)  # [v1, v2] of each KV pair
+    out = torch.bmm(probs.reshape(value.shape[1], -1, max_k), value.transpose(0, 1))
+    # [B, heads, group, max_q, Dv] -> [B * max_q, heads * group, Dv]: a view when max_q == 1
+    out = out.view(*probs.shape[:-1], -1).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_seqs * max_q, -1, out.shape[-1]).contiguous().to(query.dtype)
+    return out if valid is None else out[valid.flatten()]
 
 
 def paged_attention(
@@ -112,28 +177,32 @@ def paged_attention(
 ):
     """Plain or differential (``lambda_full`` given) attention over a paged KV cache.
 
-    Shapes as in :func:`compiled_attn.ops.paged_attention`. Returns a new tensor in the
-    query's dtype.
+    Shapes as in :func:`compiled_attn.ops.paged_attention`. Gathers every sequence's keys,
+    up to the longest one's, from the blocks of its table (entries past a sequence's last
+    block are never read, so they may hold anything), then attends the whole batch at
+    once (:func:`_attend`). Returns a new tensor in the query's dtype.
     """
-    differential = lambda_full is not None
-    num_tokens, num_heads, head_size = query.shape
-    out_shape = (num_tokens, num_heads // 2, 2 * head_size) if differential else query.shape
-    out = query.new_zeros(out_shape)
-    starts = cu_seqlens_q.tolist()
-    block_size = key_cache.shape[1]
-    options = (scale, causal, window_left, window_right, softcap, alibi_slopes)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        q = query[starts[b]:starts[b + 1]]
-        if q.shape[0] == 0:
-            continue
-        block_ids = block_table[b, : -(-seq_len // block_size)].long()
-        k = _gather_paged(key_cache, block_ids, seq_len)
-        v = _gather_paged(value_cache, block_ids, seq_len)
-        if differential:
-            out[starts[b]:starts[b + 1]] = differential_attend(q, k, v, lambda_full, *options).to(out.dtype)
-        else:
-            out[starts[b]:starts[b + 1]] = attend(q, k, v, *options).to(out.dtype)
-    return out
+    k_lens = seq_lens.tolist()
+    max_k = max(k_lens, default=0)
+    if query.shape[0] == 0 or max_k == 0:
+        return query.new_zeros(_out_shape(query, lambda_full is not None))
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    num_seqs = len(k_lens)
+    used = -(-max_k // block_size)
+    past_end = _past_end(seq_lens, k_lens, max_k)
+    if num_seqs == 1:  # its blocks, in order, hold its keys key-major
+        index = block_table[0, :used]
+    else:  # the slot of key j of sequence b, [max_k, B]
+        offsets = torch.arange(block_size, dtype=block_table.dtype, device=block_table.device)
+        slots = torch.add(offsets, block_table[:, :used].unsqueeze(2), alpha=block_size)
+        index = _key_index(slots.view(num_seqs, -1)[:, :max_k].t(), past_end, k_lens)
+        # [slots, Hkv, D]: a view (a copy only for a cache view whose blocks are not evenly strided)
+        key_cache, value_cache = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    rows = (-1, num_seqs * num_kv_heads, head_size)
+    key = key_cache.index_select(0, index).view(rows)[:max_k]
+    value = value_cache.index_select(0, index).view(rows)[:max_k]
+    return _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_full,
+                   scale, causal, window_left, window_right, softcap, alibi_slopes)
 
 
 def varlen_attention(
@@ -141,32 +210,38 @@ def varlen_attention(
     scale, causal, window_left, window_right, softcap, alibi_slopes,
 ):
     """Plain or differential (``lambda_full`` given) attention over packed contiguous
-    k/v, as ``flash_attn_varlen_func``. Returns a new tensor in ``q``'s dtype."""
-    differential = lambda_full is not None
-    num_tokens, num_heads, head_size = q.shape
-    out_shape = (num_tokens, num_heads // 2, 2 * head_size) if differential else q.shape
-    out = q.new_zeros(out_shape)
-    qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    options = (scale, causal, window_left, window_right, softcap, alibi_slopes)
-    for b in range(len(qs) - 1):
-        if qs[b + 1] == qs[b]:
-            continue
-        args = (q[qs[b]:qs[b + 1]], k[ks[b]:ks[b + 1]], v[ks[b]:ks[b + 1]])
-        if differential:
-            out[qs[b]:qs[b + 1]] = differential_attend(*args, lambda_full, *options).to(out.dtype)
-        else:
-            out[qs[b]:qs[b + 1]] = attend(*args, *options).to(out.dtype)
-    return out
+    k/v, as ``flash_attn_varlen_func``: gathers each sequence's keys key-major and attends
+    the whole batch at once (:func:`_attend`). Returns a new tensor in ``q``'s dtype."""
+    seq_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    k_lens = seq_lens.tolist()
+    max_k = max(k_lens, default=0)
+    if q.shape[0] == 0 or max_k == 0:
+        return q.new_zeros(_out_shape(q, lambda_full is not None))
+    past_end = _past_end(seq_lens, k_lens, max_k)
+    index = torch.arange(max_k, dtype=cu_seqlens_k.dtype, device=k.device).unsqueeze(1) + cu_seqlens_k[:-1]
+    index = _key_index(index, past_end, k_lens)
+    rows = (max_k, -1, k.shape[-1])
+    key = k.index_select(0, index).view(rows)
+    value = v.index_select(0, index).view(rows)
+    return _attend(q, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_full,
+                   scale, causal, window_left, window_right, softcap, alibi_slopes)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    """Write ``key/value[t]`` to slot ``slot_mapping[t]`` of the paged caches; skip -1."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size  # works on strided cache views
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    """Write ``key/value[t]`` to slot ``slot_mapping[t]`` of the paged caches; skip -1.
+
+    One ``index_copy_`` per cache over its slots (block and offset dims merged), after
+    dropping padding rows if there are any; caches whose block and offset dims do not merge
+    into one (some strided views) are written by block and offset instead."""
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        num_blocks, block_size = cache.shape[:2]
+        if cache.stride(0) == block_size * cache.stride(1):
+            cache.view(num_blocks * block_size, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+        else:
+            cache[slot_mapping // block_size, slot_mapping % block_size] = rows
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

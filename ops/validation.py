@@ -1,13 +1,11 @@
-"""Argument checks for the ``compiled_attn`` ops.
+"""Shape, dtype and option checks of the ``compiled_attn`` ops (no tensor values read).
 
-Two kinds, so that nothing reads device memory on the hot path:
-
-* ``check_*_args`` look only at shapes, dtypes and Python scalars. They run in the fake
-  implementations (so ``torch.compile`` reports bad input at trace time) and in the
-  public wrappers when called eagerly.
-* ``check_*_values`` read metadata values (block ids, slots, lengths). They synchronize
-  the device, so the public wrappers run them only eagerly and never while a CUDA graph
-  is being captured or a graph is being compiled.
+``check_*_args`` look only at shapes, dtypes and Python scalars. They run in the fake
+implementations (so ``torch.compile`` reports bad input at trace time) and in the public
+functions when called eagerly. :func:`check_call_options` checks only Python types, which
+tracing can afford; :func:`check_scalars` reads the float options and runs eagerly only (a
+comparison on a traced float would specialize the graph on its value). Checks that read
+metadata values live in :mod:`.value_checks`.
 
 Every failure is a ``TypeError`` (wrong dtype or type) or ``ValueError`` (wrong shape or
 value) naming the argument, what was given and what is allowed.
@@ -21,15 +19,6 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_SIZE = 256
-
-
-def should_check_values(*tensors: torch.Tensor) -> bool:
-    """True when value checks are affordable: eager, not tracing, not capturing."""
-    if torch.compiler.is_compiling():
-        return False
-    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
 
 
 def check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -73,21 +62,34 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"all tensors must be on one device, got {where}")
 
 
-def check_call_options(scale, window_size) -> None:
-    """Python options of the public attention functions, before any op sees them.
+def check_call_options(scale, window_size, softcap) -> tuple[int, int]:
+    """Types of the public attention functions' options; returns ``window_size`` as
+    ``(left, right)``. Reads no float value, so it runs while tracing too.
 
     Raises:
-        TypeError: ``scale`` not a real number or ``None``; ``window_size`` not a pair of ints.
-        ValueError: ``scale`` not finite and > 0.
+        TypeError: ``scale`` not a real number or ``None``, ``softcap`` not a real number,
+            ``window_size`` not a pair of ints.
     """
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    for name, value, optional in (("scale", scale, True), ("softcap", softcap, False)):
+        if (value is None and not optional) or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+            allowed = "a float or None" if optional else "a float"
+            raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+            or any(isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    return window_size[0], window_size[1]
+
+
+def check_scalars(scale: float, softcap: float) -> None:
+    """Values of the float options (eagerly only).
+
+    Raises:
+        ValueError: ``scale`` not finite and > 0, ``softcap`` not finite and >= 0.
+    """
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
 
 
 def check_options(window_left: int, window_right: int, softcap: float) -> None:
@@ -100,7 +102,7 @@ def check_options(window_left: int, window_right: int, softcap: float) -> None:
         raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
 
 
-def check_extras(num_heads: int, lambda_full, alibi_slopes) -> None:
+def check_extras(num_heads: int, lambda_full, alibi_slopes, scale_softcap) -> None:
     if alibi_slopes is not None:
         check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
         if tuple(alibi_slopes.shape) != (num_heads,):
@@ -114,6 +116,10 @@ def check_extras(num_heads: int, lambda_full, alibi_slopes) -> None:
                 f"lambda_full must have shape [] or [num_heads // 2]=[{num_heads // 2}], "
                 f"got {tuple(lambda_full.shape)}"
             )
+    if scale_softcap is not None:
+        check_dtype("scale_softcap", scale_softcap, (torch.float32,))
+        if tuple(scale_softcap.shape) != (2,):
+            raise ValueError(f"scale_softcap must have shape [2] (scale, softcap), got {tuple(scale_softcap.shape)}")
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -127,7 +133,8 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
 
 
 def check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                     lambda_full, window_left, window_right, softcap, alibi_slopes) -> None:
+                     lambda_full, window_left, window_right, softcap, alibi_slopes,
+                     scale_softcap=None) -> None:
     """Shape and dtype checks of paged attention (plain or differential)."""
     check_dtype("query", query, FLOAT_DTYPES)
     check_ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
@@ -154,14 +161,14 @@ def check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, bloc
             f"block_table {tuple(block_table.shape)}"
         )
     check_options(window_left, window_right, softcap)
-    check_extras(query.shape[1], lambda_full, alibi_slopes)
+    check_extras(query.shape[1], lambda_full, alibi_slopes, scale_softcap)
     check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
-                      lambda_full=lambda_full, alibi_slopes=alibi_slopes)
+                      lambda_full=lambda_full, alibi_slopes=alibi_slopes, scale_softcap=scale_softcap)
 
 
 def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
-                      window_left, window_right, softcap, alibi_slopes) -> None:
+                      window_left, window_right, softcap, alibi_slopes, scale_softcap=None) -> None:
     """Shape and dtype checks of varlen attention over contiguous k/v."""
     check_dtype("q", q, FLOAT_DTYPES)
     check_ndim("q", q, 3, "[total_q, num_heads, head_size]")
@@ -183,43 +190,9 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
             "must have the same length num_seqs + 1"
         )
     check_options(window_left, window_right, softcap)
-    check_extras(q.shape[1], lambda_full, alibi_slopes)
+    check_extras(q.shape[1], lambda_full, alibi_slopes, scale_softcap)
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      lambda_full=lambda_full, alibi_slopes=alibi_slopes)
-
-
-def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int) -> list[int]:
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(
-            f"{name} must start at 0, never decrease and end at the token count {total}, got {values}"
-        )
-    return values
-
-
-def check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table) -> None:
-    """Value checks of paged attention (reads device memory)."""
-    starts = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, query.shape[0])
-    num_blocks, block_size = key_cache.shape[:2]
-    max_len = block_table.shape[1] * block_size
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        if not 0 <= seq_len <= max_len:
-            raise ValueError(
-                f"seq_lens[{b}]={seq_len} is out of range [0, {max_len}] "
-                f"(block_table width {block_table.shape[1]} x block_size {block_size})"
-            )
-        if starts[b + 1] - starts[b] > 0 and seq_len > 0:
-            used = block_table[b, : -(-seq_len // block_size)]
-            bad = (used < 0) | (used >= num_blocks)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"block_table[{b}] holds block ids {used[bad].tolist()} outside [0, {num_blocks})"
-                )
-
-
-def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k) -> None:
-    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+                      lambda_full=lambda_full, alibi_slopes=alibi_slopes, scale_softcap=scale_softcap)
 
 
 def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -244,16 +217,6 @@ def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> 
         )
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                       slot_mapping=slot_mapping)
-
-
-def check_slot_values(key_cache, slot_mapping) -> None:
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-    if bool(bad.any()):
-        raise ValueError(
-            f"slot_mapping holds {slot_mapping[bad].tolist()[:8]} outside [-1, {num_slots}) "
-            f"(-1 is PAD_SLOT_ID; {num_slots} = num_blocks x block_size)"
-        )
 
 
 def check_distinct_destinations(block_mapping: torch.Tensor) -> None:

@@ -67,7 +67,10 @@ def check_paged(args, pad_rows, lambda_full=None, **options):
     """Kernel (NaN-poisoned ``out``) vs float64 reference; padded rows exact zeros."""
     out = torch.full(output_shape(args[0], lambda_full is not None), float("nan"),
                      dtype=args[0].dtype, device="cuda")
-    triton_kernels.paged_attention(*args, lambda_full, out=out, **options)
+    launch = {k: v for k, v in options.items() if k != "window_size"}
+    window_left, window_right = options.get("window_size", (-1, -1))
+    triton_kernels.paged_attention(*args, lambda_full, out=out, window_left=window_left,
+                                   window_right=window_right, **launch)
     assert_close_to_oracle(out, reference_paged(args, lambda_full, **options))
     assert bool((out[pad_rows] == 0).all())
 
@@ -144,14 +147,31 @@ def test_ops_dispatch_to_triton_on_cuda():
 def test_opcheck_cuda():
     batch, args = small_paged_args()
     lam = make_lambda(8, per_pair=True).cuda()
-    options = (64 ** -0.5, True, -1, -1, 0.0, None)
-    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default, (*args, *options))
-    torch.library.opcheck(torch.ops.compiled_attn.differential_paged_attention.default,
-                          (*args, lam, *options))
+    options = (64 ** -0.5, True, -1, -1, 0.0, None, None)
+    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default, (*args, None, *options))
+    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default, (*args, lam, *options))
+    tensor_scalars = (*options[:-1], torch.tensor([64 ** -0.5, 0.0], device="cuda"))
+    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default, (*args, lam, *tensor_scalars))
     key_cache, value_cache = (c.cuda() for c in batch.caches_before_write())
     torch.library.opcheck(torch.ops.compiled_attn.reshape_and_cache.default,
                           (batch.key.cuda(), batch.value.cuda(), key_cache, value_cache,
                            batch.slot_mapping.cuda()))
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_per_call_scale_and_softcap_under_compile_on_cuda(differential):
+    """The scale case on CUDA: per-call floats reach the kernel as a tensor (no recompile
+    after the first change), results equal to eager calls."""
+    from torch._dynamo.utils import counters
+
+    _, args = small_paged_args()
+    lam = make_lambda(8, per_pair=True).cuda() if differential else None
+    f = torch.compile(lambda s, c: ops.paged_attention(*args, lam, scale=s, softcap=c), fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for scale, softcap in ((0.125, 0.0), (0.1, 5.0), (0.2, 0.0), (0.15, 2.5)):
+        torch.testing.assert_close(f(scale, softcap), ops.paged_attention(*args, lam, scale=scale, softcap=softcap),
+                                   atol=2e-2, rtol=2e-2)
+    assert counters["stats"]["unique_graphs"] - before <= 2
 
 
 # --- CUDA graphs: capture once, replay with new metadata ----------------------------------

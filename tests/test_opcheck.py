@@ -20,7 +20,8 @@ from paged_batches import alibi_slopes, make_lambda, make_paged_batch, make_varl
 ops = torch.ops.compiled_attn
 
 # name -> (seqs, block_size, num_heads, num_kv_heads, head_size, dtype, options)
-# options = (scale, causal, window_left, window_right, softcap, use_alibi)
+# options = (scale, causal, window_left, window_right, softcap, use_alibi); the op's last
+# argument, scale_softcap, is None unless a test passes the tensor form.
 PAGED_CASES = {
     "mha_causal": ([(0, 5), (7, 2), (9, 1)], 16, 2, 2, 16, torch.float32, (0.25, True, -1, -1, 0.0, False)),
     "gqa_alibi_window": ([(0, 9), (17, 3), (4, 0), (20, 1)], 16, 4, 2, 16, torch.float32,
@@ -51,9 +52,9 @@ DIFF_VARLEN_CASES = {
 }
 
 
-def _options(options, num_heads):
+def _options(options, num_heads, scale_softcap=None):
     scale, causal, left, right, softcap, use_alibi = options
-    return (scale, causal, left, right, softcap, alibi_slopes(num_heads) if use_alibi else None)
+    return (scale, causal, left, right, softcap, alibi_slopes(num_heads) if use_alibi else None, scale_softcap)
 
 
 def _paged_args(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, seed):
@@ -65,7 +66,7 @@ def _paged_args(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, see
 @pytest.mark.parametrize("case", list(PAGED_CASES))
 def test_opcheck_paged_attention(case):
     seqs, bs, h, hkv, d, dtype, options = PAGED_CASES[case]
-    args = (*_paged_args(seqs, bs, h, hkv, d, dtype, 1), *_options(options, h))
+    args = (*_paged_args(seqs, bs, h, hkv, d, dtype, 1), None, *_options(options, h))
     out = ops.paged_attention.default(*args)
     assert out.shape == args[0].shape and bool(torch.isfinite(out).all())
     torch.library.opcheck(ops.paged_attention.default, args)
@@ -76,16 +77,16 @@ def test_opcheck_differential_paged_attention(case):
     seqs, bs, h, hkv, d, dtype, options, per_pair = DIFF_PAGED_CASES[case]
     lam = make_lambda(h, per_pair)
     args = (*_paged_args(seqs, bs, h, hkv, d, dtype, 2), lam, *_options(options, h))
-    out = ops.differential_paged_attention.default(*args)
+    out = ops.paged_attention.default(*args)
     assert out.shape == (args[0].shape[0], h // 2, 2 * d) and bool(torch.isfinite(out).all())
-    torch.library.opcheck(ops.differential_paged_attention.default, args)
+    torch.library.opcheck(ops.paged_attention.default, args)
 
 
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 def test_opcheck_varlen_attention(case):
     q_lens, k_lens, h, hkv, d, dtype, options = VARLEN_CASES[case]
     b = make_varlen_batch(q_lens, k_lens, num_heads=h, num_kv_heads=hkv, head_size=d, dtype=dtype, seed=3)
-    args = (*b.attention_args(), *_options(options, h))
+    args = (*b.attention_args(), None, *_options(options, h))
     out = ops.varlen_attention.default(*args)
     assert out.shape == b.q.shape and bool(torch.isfinite(out).all())
     torch.library.opcheck(ops.varlen_attention.default, args)
@@ -96,9 +97,9 @@ def test_opcheck_differential_varlen_attention(case):
     q_lens, k_lens, h, hkv, d, dtype, options, per_pair = DIFF_VARLEN_CASES[case]
     b = make_varlen_batch(q_lens, k_lens, num_heads=h, num_kv_heads=hkv, head_size=d, dtype=dtype, seed=4)
     args = (*b.attention_args(), make_lambda(h, per_pair), *_options(options, h))
-    out = ops.differential_varlen_attention.default(*args)
+    out = ops.varlen_attention.default(*args)
     assert out.shape == (b.q.shape[0], h // 2, 2 * d) and bool(torch.isfinite(out).all())
-    torch.library.opcheck(ops.differential_varlen_attention.default, args)
+    torch.library.opcheck(ops.varlen_attention.default, args)
 
 
 @pytest.mark.parametrize("dtype,block_size,heads,slots", [
@@ -177,10 +178,8 @@ def test_opcheck_paged_attention_noncontiguous_query(layout, differential):
     query, *rest = _paged_args([(0, 5), (7, 2), (9, 1)], 16, 4, 2, 16, torch.float32, 5)
     query = LAYOUTS[layout](query)
     options = _options((0.25, True, -1, -1, 0.0, False), 4)
-    if differential:
-        op, args = ops.differential_paged_attention.default, (query, *rest, make_lambda(4, True), *options)
-    else:
-        op, args = ops.paged_attention.default, (query, *rest, *options)
+    op = ops.paged_attention.default
+    args = (query, *rest, make_lambda(4, True) if differential else None, *options)
     expected = op(query.contiguous(), *args[1:])
     assert torch.equal(op(*args), expected)
     torch.library.opcheck(op, args)
@@ -193,11 +192,49 @@ def test_opcheck_varlen_attention_noncontiguous_q(layout, differential):
     q = LAYOUTS[layout](b.q)
     k, v = _qkv_slice(b.k), _qkv_slice(b.v)
     options = _options((0.25, True, -1, -1, 0.0, False), 4)
-    if differential:
-        op, args = ops.differential_varlen_attention.default, (q, k, v, b.cu_seqlens_q, b.cu_seqlens_k,
-                                                               make_lambda(4, False), *options)
-    else:
-        op, args = ops.varlen_attention.default, (q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, *options)
+    op = ops.varlen_attention.default
+    args = (q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, make_lambda(4, False) if differential else None, *options)
     expected = op(b.q, b.k, b.v, *args[3:])
     assert torch.equal(op(*args), expected)
     torch.library.opcheck(op, args)
+
+
+# --- scale and softcap as a tensor (the form traced per-call floats take) --------------------
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["no_softcap", "softcap"])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_opcheck_scale_softcap_tensor_equals_floats(differential, softcap):
+    """``scale_softcap`` carries the same values as the floats it replaces (which are then
+    ignored; a softcap of 0 turns capping off)."""
+    args = _paged_args([(0, 5), (17, 3), pad(1)], 16, 4, 2, 16, torch.float32, 7)
+    lam = make_lambda(4, True) if differential else None
+    expected = ops.paged_attention.default(*args, lam, *_options((0.3, True, -1, -1, softcap, True), 4))
+    tensor_form = _options((1.0, True, -1, -1, 9.0, True), 4, torch.tensor([0.3, softcap]))
+    got = ops.paged_attention.default(*args, lam, *tensor_form)
+    torch.testing.assert_close(got, expected)
+    torch.library.opcheck(ops.paged_attention.default, (*args, lam, *tensor_form))
+    b = make_varlen_batch([5, 1, 7], [5, 3, 9], num_heads=4, num_kv_heads=2, head_size=16, seed=8)
+    expected = ops.varlen_attention.default(*b.attention_args(), lam, *_options((0.3, False, -1, -1, softcap, False), 4))
+    tensor_form = _options((1.0, False, -1, -1, 9.0, False), 4, torch.tensor([0.3, softcap]))
+    torch.testing.assert_close(ops.varlen_attention.default(*b.attention_args(), lam, *tensor_form), expected)
+    torch.library.opcheck(ops.varlen_attention.default, (*b.attention_args(), lam, *tensor_form))
+
+
+# --- the backward op -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["plain", "differential_per_pair", "differential_scalar_softcap_alibi"])
+def test_opcheck_varlen_attention_backward(case):
+    b = make_varlen_batch([5, 1, 7], [5, 3, 9], num_heads=4, num_kv_heads=2, head_size=16, seed=9)
+    lam = {"plain": None, "differential_per_pair": make_lambda(4, True),
+           "differential_scalar_softcap_alibi": make_lambda(4, False)}[case]
+    options = (0.25, False, 3, -1, 2.0, True) if case.endswith("alibi") else (0.25, True, -1, -1, 0.0, False)
+    args = (*b.attention_args(), lam, *_options(options, 4))
+    out = ops.varlen_attention.default(*args)
+    grad_out = randn_nonzero(out.shape, out.dtype, torch.Generator().manual_seed(10))
+    dq, dk, dv, dlambda = ops.varlen_attention_backward.default(grad_out, *args)
+    assert dq.shape == b.q.shape and dk.shape == b.k.shape and dv.shape == b.v.shape
+    assert dlambda.shape == ((0,) if lam is None else lam.shape)
+    assert all(bool(torch.isfinite(g).all()) and g.abs().sum() > 0 for g in (dq, dk, dv))
+    torch.library.opcheck(ops.varlen_attention_backward.default, (grad_out, *args))

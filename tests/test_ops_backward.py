@@ -85,9 +85,9 @@ def test_opcheck_covers_the_autograd_registration():
     batch = make_varlen_batch([4, 2], num_heads=4, num_kv_heads=2, head_size=16, seed=2)
     q, k, v = (t.clone().requires_grad_() for t in (batch.q, batch.k, batch.v))
     lam = make_lambda(4, per_pair=False).requires_grad_()
-    args = (q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, lam, 0.25, True, -1, -1, 0.0, None)
-    torch.library.opcheck(torch.ops.compiled_attn.differential_varlen_attention.default, args)
-    torch.library.opcheck(torch.ops.compiled_attn.varlen_attention.default, args[:5] + args[6:])
+    args = (q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, lam, 0.25, True, -1, -1, 0.0, None, None)
+    torch.library.opcheck(torch.ops.compiled_attn.varlen_attention.default, args)
+    torch.library.opcheck(torch.ops.compiled_attn.varlen_attention.default, args[:5] + (None,) + args[6:])
 
 
 def test_compiled_training_step_matches_eager():

@@ -22,7 +22,7 @@ def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
         data = json.load(f)  # TensorBoard and Perfetto read this Chrome trace format
     names = {e.get("name") for e in data["traceEvents"]}
     assert {"prefill", "decode_step"} <= names
-    assert {"compiled_attn::differential_varlen_attention", "compiled_attn::differential_paged_attention",
+    assert {"compiled_attn::varlen_attention", "compiled_attn::paged_attention",
             "compiled_attn::reshape_and_cache"} <= names
     assert any(n.startswith("ProfilerStep#") for n in names)
     shares = result["profile"]["phase_shares"]
@@ -31,7 +31,7 @@ def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
     assert shares["prefill"] > 0 and shares["decode_step"] > 0 and shares["other"] >= 0
     summary = summarize_trace(trace)
     assert summary.steps >= 5  # one prefill and four decode steps
-    assert any(name == "compiled_attn::differential_paged_attention" for name, _ in summary.cpu_ops)
+    assert any(name == "compiled_attn::paged_attention" for name, _ in summary.cpu_ops)
 
 
 def test_summary_self_times_and_shares_on_a_handmade_trace(tmp_path):

@@ -63,14 +63,26 @@ def output_shape(query, differential):
     return tuple(query.shape)
 
 
-def run_paged(batch, lambda_full=None, num_splits=None, **options):
+def launcher_options(options: dict, tensor_scalars: bool = False) -> dict:
+    """``options`` in the launchers' schema form: ``window_size`` as ``window_left`` and
+    ``window_right``; with ``tensor_scalars``, ``scale`` (then required) and ``softcap``
+    travel as the ``scale_softcap`` tensor and the floats get values that must be ignored."""
+    launch = dict(options)
+    launch["window_left"], launch["window_right"] = launch.pop("window_size", (-1, -1))
+    if tensor_scalars:
+        values = [launch.pop("scale"), launch.pop("softcap", 0.0)]
+        launch.update(scale=123.0, softcap=0.0, scale_softcap=on_device(torch.tensor(values))[0])
+    return launch
+
+
+def run_paged(batch, lambda_full=None, num_splits=None, tensor_scalars=False, **options):
     """Kernel vs oracle on ``batch``; NaN-poisoned output; padded rows exact zeros."""
     args = on_device(*batch.attention_args())
     lam, slopes = on_device(lambda_full, options.pop("alibi_slopes", None))
     out = torch.full(output_shape(batch.query, lam is not None), float("nan"),
                      dtype=batch.dtype, device=DEVICE)
     got = triton_kernels.paged_attention(*args, lam, alibi_slopes=slopes, out=out,
-                                         num_splits=num_splits, **options)
+                                         num_splits=num_splits, **launcher_options(options, tensor_scalars))
     assert got is out
     window = options.pop("window_size", (-1, -1))
     expected = oracle_paged(*batch.attention_args(), window=window, alibi_slopes=slopes,
@@ -209,12 +221,12 @@ def test_stacking_is_for_decode_tiles_only():
     assert not choose_tiles(64, 64, 4, 128, False, torch.bfloat16).stacked
 
 
-def run_varlen(batch, lambda_full=None, **options):
+def run_varlen(batch, lambda_full=None, tensor_scalars=False, **options):
     args = on_device(*batch.attention_args())
     (lam,) = on_device(lambda_full)
     out = torch.full(output_shape(batch.q, lam is not None), float("nan"), dtype=batch.dtype,
                      device=DEVICE)
-    triton_kernels.varlen_attention(*args, lam, out=out, **options)
+    triton_kernels.varlen_attention(*args, lam, out=out, **launcher_options(options, tensor_scalars))
     window = options.pop("window_size", (-1, -1))
     expected = oracle_varlen(*batch.attention_args(), window=window, lambda_full=lambda_full,
                              **options)
@@ -233,6 +245,19 @@ def test_varlen(dtype, differential):
     lam = make_lambda(4, per_pair=True) if differential else None
     run_varlen(batch, lam)
     run_varlen(batch, lam, causal=False, window_size=(4, 3), softcap=5.0)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["no-softcap", "softcap"])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_scale_softcap_from_a_tensor(differential, softcap):
+    """Scale and softcap read from ``scale_softcap`` (traced per-call floats) give the
+    oracle's result for those values, with and without splits; a softcap of 0 is off."""
+    lam = make_lambda(4, per_pair=True) if differential else None
+    batch = make_paged_batch([(0, 9), (30, 1), (5, 3)], num_heads=4, num_kv_heads=2, head_size=16, seed=21)
+    run_paged(batch, lam, tensor_scalars=True, scale=0.3, softcap=softcap)
+    run_paged(batch, lam, num_splits=3, tensor_scalars=True, scale=0.3, softcap=softcap, window_size=(6, -1))
+    varlen = make_varlen_batch([5, 1, 7], [5, 3, 9], num_heads=4, num_kv_heads=2, head_size=16, seed=22)
+    run_varlen(varlen, lam, tensor_scalars=True, scale=0.2, softcap=softcap, causal=False)
 
 
 def test_varlen_matches_paged_cache_view():
@@ -318,3 +343,26 @@ def test_split_heuristic_reads_shapes_only():
     tiles = choose_tiles(num_tokens=4096, num_seqs=2, group_pad=4, head_size_pad=128,
                          differential=False, dtype=torch.bfloat16)
     assert tiles.block_m == 128
+
+
+def test_distinct_variants_keeps_the_first_launch_of_each_compiled_variant():
+    """What the engine's warm-up launches: one (num_seqs, num_tokens) per kernel variant,
+    the first in the given order, covering the variant of every candidate."""
+    from compiled_attn.ops.triton_kernels.attention import _launch_plan, distinct_variants, kernel_variant
+
+    candidates = [(b, b * n) for b in (1, 2, 3, 8, 17) for n in (1, 2, 3, 5, 9, 17, 33, 65, 300)]
+    for differential in (False, True):
+        chosen = distinct_variants(candidates, 8, 4, 32, differential, torch.float16, torch.device("cpu"))
+        assert chosen[0] == (1, 1) and set(chosen) <= set(candidates)
+
+        def variant(launch):
+            b, t = launch
+            return kernel_variant(_launch_plan(t, 8, 32, 4, b, t, differential, torch.float16, 1))
+
+        variants = [variant(launch) for launch in chosen]
+        assert len(set(variants)) == len(chosen) > 2  # tiles change with the query rows
+        assert {variant(launch) for launch in candidates} == set(variants)
+        first = {}
+        for launch in candidates:
+            first.setdefault(variant(launch), launch)
+        assert chosen == list(first.values())

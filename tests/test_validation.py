@@ -1,23 +1,23 @@
 """Bad input fails fast, through the public wrappers (eager), with a TypeError/ValueError
 naming the argument, before any kernel runs.
 
-Every kernel of ``compiled_attn.ops.reference`` is replaced by a tripwire for these tests
-(the custom ops look them up at call time), so a check that ran too late, or not at all,
-shows up as "kernel ran" instead of the expected error. Each case starts from a valid call
-(checked to succeed by ``test_valid_*``) and breaks exactly one thing. Mixed devices cannot
-be built on a CPU-only machine and are not tested here.
+A tripwire (a ``TorchDispatchMode``) fails these tests when any ``compiled_attn`` op is
+dispatched, so a check that ran too late, or not at all, shows up as "kernel ran" instead of
+the expected error; the checks themselves may run ordinary torch ops. Each case starts from
+a valid call (checked to succeed by ``test_valid_*``) and breaks exactly one thing. Mixed
+devices cannot be built on a CPU-only machine and are not tested here.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_attn  # noqa: F401
 from compiled_attn.ops import (
     copy_blocks,
     paged_attention,
-    reference,
     reshape_and_cache,
     swap_blocks,
     varlen_attention,
@@ -25,27 +25,29 @@ from compiled_attn.ops import (
 
 from paged_batches import alibi_slopes, make_lambda, make_paged_batch, make_varlen_batch, randn_nonzero
 
-KERNELS = ["paged_attention", "varlen_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
-
 
 class KernelRan(AssertionError):
     pass
 
 
+class Tripwire(TorchDispatchMode):
+    """Records and stops every ``compiled_attn`` op that reaches dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "compiled_attn":
+            self.calls.append(func._schema.name.split("::")[1])
+            raise KernelRan(f"op {func} ran before the argument check failed")
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.fixture
-def tripwire(monkeypatch):
-    """Replace every reference kernel by one that fails the test if it is reached."""
-    calls = []
-
-    def make(name):
-        def kernel(*args, **kwargs):
-            calls.append(name)
-            raise KernelRan(f"kernel {name} ran before the argument check failed")
-        return kernel
-
-    for name in KERNELS:
-        monkeypatch.setattr(reference, name, make(name))
-    return calls
+def tripwire():
+    with Tripwire() as mode:
+        yield mode.calls
 
 
 # --- valid baselines ----------------------------------------------------------------------
@@ -336,7 +338,7 @@ def test_fake_impl_rejects_bad_dtype_at_trace_time():
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in args.values()]
         with pytest.raises(TypeError, match="block_table"):
-            torch.ops.compiled_attn.paged_attention.default(*fake, 0.25, True, -1, -1, 0.0, None)
+            torch.ops.compiled_attn.paged_attention.default(*fake, None, 0.25, True, -1, -1, 0.0, None, None)
 
 
 @pytest.mark.parametrize("head_size", [8, 256])
@@ -357,3 +359,44 @@ def test_padded_row_block_table_not_validated():
     table[1] = -1
     out = paged_attention(b.query, b.key_cache, b.value_cache, b.cu_seqlens_q, b.seq_lens, table)
     assert bool((out[2] == 0).all()) and bool(torch.isfinite(out).all())
+
+
+# --- value checks: once per metadata version, and the switch that turns them off ---------------
+
+
+def test_value_checks_rerun_after_an_in_place_change():
+    """Unchanged metadata is checked once (the layers of one forward share it); an in-place
+    write bumps its version counter and the next call checks again."""
+    args = _paged()
+    paged_attention(**args)
+    paged_attention(**args)
+    args["block_table"][0, 0] = 10_000  # sequence 0 reads block 0 of its row
+    with pytest.raises(ValueError, match=r"block_table\[0\] holds block ids \[10000\]"):
+        paged_attention(**args)
+    args["block_table"][0, 0] = 0
+    args["seq_lens"][1] = 1_000
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=1000 is out of range"):
+        paged_attention(**args)
+
+
+def test_value_checks_see_a_new_tensor_with_the_same_values_and_version():
+    """A new tensor that happens to have the version of the last checked one is checked
+    (the cache compares tensor identity, not addresses that the allocator reuses)."""
+    args = _paged()
+    paged_attention(**args)
+    bad = args["block_table"].clone()
+    bad[2, 0] = -5
+    with pytest.raises(ValueError, match=r"block_table\[2\] holds block ids \[-5\]"):
+        paged_attention(**{**args, "block_table": bad})
+
+
+def test_value_checks_switched_off_by_the_environment(monkeypatch, tripwire):
+    args = _paged()
+    args["seq_lens"] = args["seq_lens"].clone()
+    args["seq_lens"][0] = 10_000
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_attention(**args)
+    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", "0")
+    with pytest.raises(KernelRan):  # shape checks pass, value checks skipped: the op runs
+        paged_attention(**args)
+    assert tripwire == ["paged_attention"]

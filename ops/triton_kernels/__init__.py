@@ -15,13 +15,30 @@ module                    idea
 ``launch_utils``          small host helpers (powers of two, device guard, SM count)
 ========================  =======================================================================
 
+:func:`compiled_variants` counts the kernel variants Triton has compiled so far (what
+``Engine.warmup`` keeps out of requests).
+
 :mod:`compiled_attn.ops.backends` registers these launchers as the ``cuda`` kernels of the
 custom ops. They can also be called directly, on CPU tensors too when ``TRITON_INTERPRET=1``
 is set before Triton is imported (the interpreter tests do so).
 """
 
 from .attention import paged_attention, varlen_attention
-from .cache_kernel import reshape_and_cache
-from .linear_kernel import fused_linear
+from .attention_kernel import attention_kernel
+from .cache_kernel import reshape_and_cache, reshape_and_cache_kernel
+from .linear_kernel import fused_linear, fused_linear_kernel
+from .merge_kernel import merge_splits_kernel
+from .norm_act_kernel import rms_norm_kernel, silu_and_mul_kernel
 
-__all__ = ["fused_linear", "paged_attention", "reshape_and_cache", "varlen_attention"]
+KERNELS = (attention_kernel, merge_splits_kernel, reshape_and_cache_kernel, fused_linear_kernel,
+           rms_norm_kernel, silu_and_mul_kernel)
+
+
+def compiled_variants() -> int:
+    """Variants of our Triton kernels compiled (or loaded from Triton's disk cache) in this
+    process so far, summed over Triton's in-memory kernel caches (0 under the interpreter).
+    A count that grows during a request means the request waited for a JIT compile."""
+    return sum(len(caches[0]) for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values())
+
+
+__all__ = ["compiled_variants", "fused_linear", "paged_attention", "reshape_and_cache", "varlen_attention"]

@@ -1,21 +1,27 @@
 """Host-side launchers of the attention kernel: paged and varlen, plain and differential.
 
-Arguments and results follow :func:`compiled_attn.ops.paged_attention` and
-:func:`compiled_attn.ops.varlen_attention` (flash-attn conventions); these functions do no
-value checks (the public wrappers do). They accept CUDA tensors, or CPU tensors when
-``TRITON_INTERPRET=1`` (tests). Every launch decision reads shapes only, never values.
+Each launcher takes its op's schema arguments as they are (see :mod:`compiled_attn.ops.attention`)
+and is bound as the op's CUDA kernel, so an op call reaches it straight from the
+dispatcher. No value checks here (the public functions do them). Every launch decision
+reads shapes only, never values, and is made once per shape key (:class:`LaunchSpec`, from
+:func:`launch_plan`); the kernels launch through :class:`~.launch_utils.CachedLauncher`, which
+skips Triton's per-call argument binding. A call costs the key, a lookup, the output (and
+split partials) allocation and the launches. They accept CUDA tensors, or CPU tensors when
+``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ..attention import output_shape
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
-from .launch_utils import device_guard, multiprocessor_count, next_power_of_2
+from .launch_utils import BoundedCache, CachedLauncher, device_guard, multiprocessor_count, next_power_of_2
 from .merge_kernel import merge_splits_kernel
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
@@ -34,19 +40,19 @@ def visibility_bounds(causal: bool, window_left: int, window_right: int) -> tupl
 
 def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
-    seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor | None = None, *,
-    scale: float | None = None, causal: bool = True, window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0, alibi_slopes: Tensor | None = None, out: Tensor | None = None,
-    num_splits: int | None = None,
+    seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor | None = None,
+    scale: float | None = None, causal: bool = True, window_left: int = -1, window_right: int = -1,
+    softcap: float = 0.0, alibi_slopes: Tensor | None = None, scale_softcap: Tensor | None = None, *,
+    out: Tensor | None = None, num_splits: int | None = None,
 ) -> Tensor:
-    """Paged attention, plain or differential (``lambda_full`` given).
+    """The ``compiled_attn::paged_attention`` op on CUDA (arguments as its schema).
 
     Args:
         query: ``[T, Hq, D]``; key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``.
         cu_seqlens_q: ``[B + 1]`` int32; seq_lens: ``[B]`` int32; block_table:
             ``[B, max_blocks]`` int32.
-        lambda_full, scale, causal, window_size, softcap, alibi_slopes: as
-            :func:`compiled_attn.ops.paged_attention`.
+        lambda_full ... scale_softcap: as :func:`compiled_attn.ops.paged_attention` and the
+            op schema (``scale=None``: ``D ** -0.5``).
         out: optional output buffer (``[T, Hq, D]`` or ``[T, Hq/2, 2D]``, query's dtype, last
             dim contiguous); a new tensor otherwise.
         num_splits: force this many flash-decoding splits (tests); default from shapes.
@@ -55,22 +61,23 @@ def paged_attention(
         ``out``.
     """
     max_kv_len = block_table.shape[1] * key_cache.shape[1]
-    return _attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                      max_kv_len, lambda_full, scale, causal, window_size, softcap, alibi_slopes,
-                      out, num_splits)
+    return _attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, max_kv_len,
+                      lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                      scale_softcap, out, num_splits)
 
 
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    lambda_full: Tensor | None = None, *, scale: float | None = None, causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None, out: Tensor | None = None, num_splits: int | None = None,
+    lambda_full: Tensor | None = None, scale: float | None = None, causal: bool = True,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None, scale_softcap: Tensor | None = None, *,
+    out: Tensor | None = None, num_splits: int | None = None,
 ) -> Tensor:
-    """Attention over packed contiguous ``k``/``v`` ``[total_k, Hkv, D]``, as
-    ``flash_attn_varlen_func``; plain or differential. Other arguments as
-    :func:`paged_attention`."""
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, k.shape[0], lambda_full,
-                      scale, causal, window_size, softcap, alibi_slopes, out, num_splits)
+    """The ``compiled_attn::varlen_attention`` op on CUDA: attention over packed contiguous
+    ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
+    differential. Other arguments as :func:`paged_attention`."""
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, k.shape[0], lambda_full, scale, causal,
+                      window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits)
 
 
 class LaunchPlan(NamedTuple):
@@ -88,34 +95,125 @@ def launch_plan(query: Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int
     """Tiles and flash-decoding splits for these shapes (``max_kv_len`` bounds any
     sequence's keys); reads no tensor values."""
     num_tokens, num_heads, head_size = query.shape
+    return _launch_plan(num_tokens, num_heads, head_size, num_kv_heads, num_seqs, max_kv_len, differential,
+                        query.dtype, multiprocessor_count(query.device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(num_tokens: int, num_heads: int, head_size: int, num_kv_heads: int, num_seqs: int,
+                 max_kv_len: int, differential: bool, dtype: torch.dtype, num_sms: int) -> LaunchPlan:
     group_pad = next_power_of_2(num_heads // num_kv_heads)
     head_size_pad = max(16, next_power_of_2(head_size))
     num_kv_units = num_kv_heads // 2 if differential else num_kv_heads
-    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, query.dtype)
+    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, dtype)
     num_splits = choose_num_splits(num_seqs, num_tokens, tiles.block_q(group_pad), num_kv_units,
-                                   max_kv_len, tiles.programs_per_sm,
-                                   multiprocessor_count(query.device))
+                                   max_kv_len, tiles.programs_per_sm, num_sms)
     return LaunchPlan(tiles, num_splits, group_pad, head_size_pad, num_kv_units)
 
 
-def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
-    """``[T, Hq, D]`` (plain) or ``[T, Hq/2, 2D]`` (differential) for ``query`` ``[T, Hq, D]``."""
-    num_tokens, num_heads, head_size = query.shape
-    if differential:
-        return (num_tokens, num_heads // 2, 2 * head_size)
-    return (num_tokens, num_heads, head_size)
+def kernel_variant(plan: LaunchPlan) -> tuple:
+    """What decides the compiled kernels a launch runs (Triton compiles one variant per
+    value): the tiles, and the split count rounded up to a power of two (the merge kernel's
+    ``SPLITS_PAD``; 1 when there is no split). Arguments that change with the batch are
+    not specialized (``do_not_specialize``), so nothing else varies for one model."""
+    return plan.tiles, next_power_of_2(plan.num_splits) if plan.num_splits > 1 else 1
 
 
-def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len, lambda_full,
-               scale, causal, window_size, softcap, alibi_slopes, out, num_splits):
-    """Launch the unified kernel (and the split merge). ``block_table is None`` means
-    contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``."""
+def distinct_variants(launches: Iterable[tuple[int, int]], num_heads: int, num_kv_heads: int,
+                      head_size: int, differential: bool, dtype: torch.dtype, device: torch.device,
+                      max_kv_len: int | None = None) -> list[tuple[int, int]]:
+    """The first ``(num_seqs, num_tokens)`` of ``launches`` for each :func:`kernel_variant`
+    they reach: paged with keys bounded by ``max_kv_len``, or varlen self-attention over
+    the batch's own tokens (``max_kv_len=None``). Reads shapes only."""
+    first: dict[tuple, tuple[int, int]] = {}
+    num_sms = multiprocessor_count(device)
+    for num_seqs, num_tokens in launches:
+        keys = num_tokens if max_kv_len is None else max_kv_len
+        plan = _launch_plan(num_tokens, num_heads, head_size, num_kv_heads, num_seqs, keys, differential,
+                            dtype, num_sms)
+        first.setdefault(kernel_variant(plan), (num_seqs, num_tokens))
+    return list(first.values())
+
+
+class LaunchSpec(NamedTuple):
+    """Everything a launch takes from the shapes, strides and flags of its tensors, computed
+    once per :func:`_spec_key` value."""
+
+    grid: tuple[int, int, int]
+    int_args: tuple[int, ...]  # strides of q, k, v, the block table, the target and the lse
+    constexprs: dict
+    options: dict  # num_warps, num_stages
+    split_shape: tuple[int, ...] | None  # float32 partials [S, T, Hq, Dv]; None: no split
+    merge_grid: tuple[int, int, int]
+    merge_args: tuple[int, ...]  # num_splits and the strides of the merge
+    merge_constexprs: dict
+
+
+_SPECS: BoundedCache = BoundedCache()
+_ATTENTION = CachedLauncher(attention_kernel)
+_MERGE = CachedLauncher(merge_splits_kernel)
+
+
+def _spec_key(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
+              scale_softcap, out, num_splits, pointers) -> tuple:
+    """What a launch spec and the compiled kernel variants depend on: shapes, strides,
+    flags, the device, the dtypes and the 16-byte alignment of every pointer (never values)."""
+    return (query.shape, query.stride(), key.shape, key.stride(), value.stride(), query.dtype, key.dtype,
+            num_seqs, None if block_table is None else (block_table.shape, block_table.stride()), max_kv_len,
+            None if lambda_full is None else (lambda_full.numel(), lambda_full.dtype), softcap > 0,
+            alibi_slopes is None, scale_softcap is None, out.stride(), num_splits, query.get_device(),
+            tuple([t.data_ptr() % 16 for t in pointers]))
+
+
+def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
+                 scale_softcap, out, num_splits) -> LaunchSpec:
     differential = lambda_full is not None
     paged = block_table is not None
     num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = key.shape[-2]
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    out_shape = output_shape(query, differential)
+    plan = _launch_plan(num_tokens, num_heads, head_size, key.shape[-2], num_seqs, max_kv_len, differential,
+                        query.dtype, multiprocessor_count(query.device))
+    tiles = plan.tiles
+    num_splits = plan.num_splits if num_splits is None else num_splits
+    if paged:
+        k_strides, v_strides = key.stride(), value.stride()
+        table_stride, block_size = block_table.stride(0), key.shape[1]
+    else:  # token-major [total_k, Hkv, D]: the "block" stride is the token stride
+        k_strides = (key.stride(0), 0, key.stride(1), key.stride(2))
+        v_strides = (value.stride(0), 0, value.stride(1), value.stride(2))
+        table_stride, block_size = 0, 1  # no block table
+    value_size = 2 * head_size if differential else head_size
+    split = num_splits > 1
+    split_shape = (num_splits, num_tokens, num_heads, value_size) if split else None
+    if split:  # contiguous partials [S, T, Hq, Dv] and log-sum-exps [S, T, Hq]
+        target_strides = (num_tokens * num_heads * value_size, num_heads * value_size, value_size, 1)
+        lse_strides = (num_tokens * num_heads, num_heads, 1)
+    else:
+        target_strides, lse_strides = (0, *out.stride()), (0, 0, 0)
+    lambda_per_pair = differential and lambda_full.numel() > 1
+    constexprs = dict(
+        BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential, STACKED=tiles.stacked, SPLIT=split,
+        SOFTCAP=softcap > 0 or scale_softcap is not None, ALIBI=alibi_slopes is not None,
+        LAMBDA_PER_PAIR=lambda_per_pair, RUNTIME_SCALARS=scale_softcap is not None, HEAD_SIZE=head_size,
+        HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // key.shape[-2], GROUP_PAD=plan.group_pad,
+        BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n)
+    merge_constexprs = dict(
+        VALUE_SIZE=value_size, VALUE_SIZE_PAD=next_power_of_2(value_size), SPLITS_PAD=next_power_of_2(num_splits),
+        DIFFERENTIAL=differential, LAMBDA_PER_PAIR=lambda_per_pair)
+    return LaunchSpec(
+        grid=(num_tokens // tiles.block_q(plan.group_pad) + num_seqs, plan.num_kv_units, num_splits),
+        int_args=(*query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides),
+        constexprs=constexprs, options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        split_shape=split_shape, merge_grid=(num_tokens, out.shape[1], 1),
+        merge_args=(num_splits, *target_strides[:3], *lse_strides[:2], out.stride(0), out.stride(1)),
+        merge_constexprs=merge_constexprs)
+
+
+def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len, lambda_full, scale,
+               causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits):
+    """Launch the unified kernel (and the split merge). ``block_table is None`` means
+    contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``."""
+    num_tokens, _, head_size = query.shape
+    out_shape = output_shape(query, lambda_full is not None)
     if out is None:
         out = query.new_empty(out_shape)
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.stride(-1) != 1:
@@ -127,60 +225,33 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     # The kernels index metadata as dense vectors and block_table by its row stride: views
     # with other strides are copied (no-ops for the engine's own contiguous buffers).
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
-    lambda_full = None if lambda_full is None else lambda_full.contiguous()
-    alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-
-    plan = launch_plan(query, num_kv_heads, num_seqs, max_kv_len, differential)
-    tiles, group_pad = plan.tiles, plan.group_pad
-    num_splits = plan.num_splits if num_splits is None else num_splits
-    block_q = tiles.block_q(group_pad)
-    grid = (num_tokens // block_q + num_seqs, plan.num_kv_units, num_splits)
-    min_dist, max_dist = visibility_bounds(causal, *window_size)
-
-    if paged:
-        k_strides, v_strides = key.stride(), value.stride()
-        table, table_stride, block_size = block_table, block_table.stride(0), key.shape[1]
-    else:  # token-major [total_k, Hkv, D]: the "block" stride is the token stride
-        k_strides = (key.stride(0), 0, key.stride(1), key.stride(2))
-        v_strides = (value.stride(0), 0, value.stride(1), value.stride(2))
-        table, table_stride, block_size = kv_lens, 0, 1  # no block table
-    value_size = 2 * head_size if differential else head_size
-    if num_splits > 1:
-        target = torch.empty((num_splits, num_tokens, num_heads, value_size),
-                             dtype=torch.float32, device=query.device)
-        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
-                          device=query.device)
-        target_strides, lse_strides = target.stride(), lse.stride()
-    else:
+    lambda_full = None if lambda_full is None else lambda_full.contiguous()
+    alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    # Pointer arguments of disabled features point at the query (never read).
+    table = kv_lens if block_table is None else block_table
+    pointers = (query, key, value, cu_seqlens_q, kv_lens, table, out,
+                *(query if t is None else t for t in (lambda_full, alibi_slopes, scale_softcap)))
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    spec_args = (query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
+                 scale_softcap, out, num_splits)
+    key_ = _spec_key(*spec_args, pointers)
+    spec = _SPECS.get(key_)
+    if spec is None:
+        spec = _SPECS[key_] = _launch_spec(*spec_args)
+    if spec.split_shape is None:
         target, lse = out, out  # lse unused
-        target_strides, lse_strides = (0, *out.stride()), (0, 0, 0)
-    placeholder = query  # pointer argument of a disabled feature
-    lambda_arg = lambda_full if differential else placeholder
-    lambda_per_pair = differential and lambda_full.numel() > 1
-
+    else:
+        target = torch.empty(spec.split_shape, dtype=torch.float32, device=query.device)
+        lse = torch.empty(spec.split_shape[:3], dtype=torch.float32, device=query.device)
+    min_dist, max_dist = visibility_bounds(causal, window_left, window_right)
+    device_index = query.get_device()
     with device_guard(query):
-        attention_kernel[grid](
-            target, lse, query, key, value,
-            cu_seqlens_q, kv_lens, table, lambda_arg,
-            placeholder if alibi_slopes is None else alibi_slopes,
-            num_seqs, scale, softcap, min_dist, max_dist,
-            *query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides,
-            BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential, STACKED=tiles.stacked,
-            SPLIT=num_splits > 1, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-            LAMBDA_PER_PAIR=lambda_per_pair, HEAD_SIZE=head_size,
-            HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad,
-            BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )
-        if num_splits > 1:
-            merge_splits_kernel[(num_tokens, out.shape[1])](
-                out, target, lse, lambda_arg, num_splits,
-                target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-                out.stride(0), out.stride(1),
-                VALUE_SIZE=value_size, VALUE_SIZE_PAD=next_power_of_2(value_size),
-                SPLITS_PAD=next_power_of_2(num_splits), DIFFERENTIAL=differential,
-                LAMBDA_PER_PAIR=lambda_per_pair,
-            )
+        _ATTENTION(key_, spec.grid, (target, lse, *pointers[:6], *pointers[7:], num_seqs, scale, softcap,
+                                     min_dist, max_dist, *spec.int_args),
+                   device_index, lambda: (spec.constexprs, spec.options))
+        if spec.split_shape is not None:
+            _MERGE(key_, spec.merge_grid, (out, target, lse, pointers[7], *spec.merge_args), device_index,
+                   lambda: (spec.merge_constexprs, {}))
     return out

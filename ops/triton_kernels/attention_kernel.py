@@ -86,12 +86,18 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, dist, scale, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+def _scores(q, k, dist, scale, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            RUNTIME_SCALARS: tl.constexpr):
     """Unmasked scores in base 2, ``[BLOCK_M, TILE_N]`` float32. ``q`` ``[BLOCK_M,
-    HEAD_SIZE_PAD]``, ``k`` ``[TILE_N, HEAD_SIZE_PAD]``, ``dist = p - j`` (ALiBi only)."""
+    HEAD_SIZE_PAD]``, ``k`` ``[TILE_N, HEAD_SIZE_PAD]``, ``dist = p - j`` (ALiBi only).
+    With ``RUNTIME_SCALARS`` a softcap of 0 turns capping off at run time."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if SOFTCAP:
-        s = softcap * _tanh(s / softcap)
+        if RUNTIME_SCALARS:
+            capped = softcap * _tanh(s / tl.where(softcap > 0, softcap, 1.0))
+            s = tl.where(softcap > 0, capped, s)
+        else:
+            s = softcap * _tanh(s / softcap)
     if ALIBI:
         s -= slope[:, None] * tl.abs(dist).to(tl.float32)
     return s * LOG2E
@@ -120,10 +126,12 @@ def _log_sum_exp(m, l):
     return tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
 
 
-@triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist"])
+# Arguments whose values change with the batch are not specialized, so the compiled variants
+# depend on the launch plan alone (what ``Engine.warmup`` compiles ahead of requests).
+@triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist", "stride_os", "stride_ls"])
 def attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
-    cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr, alibi_ptr,
+    cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr, alibi_ptr, scalars_ptr,
     num_seqs, scale, softcap, min_dist, max_dist,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -133,8 +141,9 @@ def attention_kernel(
     stride_ls, stride_lt, stride_lh,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DIFFERENTIAL: tl.constexpr,
     STACKED: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    LAMBDA_PER_PAIR: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PAD: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    LAMBDA_PER_PAIR: tl.constexpr, RUNTIME_SCALARS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
     """Attention of one query tile x one KV head (pair) x one KV split.
 
@@ -151,6 +160,8 @@ def attention_kernel(
             (``PAGED`` only).
         lambda_ptr: differential lambda, ``[]`` or ``[Hq/2]`` (``LAMBDA_PER_PAIR``).
         alibi_ptr: ``[Hq]`` float32 slopes (``ALIBI`` only).
+        scalars_ptr: ``RUNTIME_SCALARS``: float32 ``[2]`` holding ``(scale, softcap)``,
+            which replace the ``scale`` and ``softcap`` arguments.
         min_dist, max_dist: key ``j`` is visible from key position ``p`` when
             ``min_dist <= p - j <= max_dist``.
     """
@@ -158,6 +169,9 @@ def attention_kernel(
     COMPONENT_ROWS: tl.constexpr = BLOCK_M // 2 if STACKED else BLOCK_M
     BLOCK_Q: tl.constexpr = COMPONENT_ROWS // GROUP_PAD
     VALUE_HEADS: tl.constexpr = 2 if DIFFERENTIAL else 1  # V tile: [v] or [v1 | v2]
+    if RUNTIME_SCALARS:
+        scale = tl.load(scalars_ptr)
+        softcap = tl.load(scalars_ptr + 1)
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
     split = tl.program_id(2)
@@ -255,10 +269,10 @@ def attention_kernel(
             k_mask = kv_ok[:, None] & dim_ok[None, :]
         k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
         dist = pos[:, None] - kpos[None, :]
-        s1 = _scores(q1, k1, dist, scale, softcap, slope1, SOFTCAP, ALIBI)
+        s1 = _scores(q1, k1, dist, scale, softcap, slope1, SOFTCAP, ALIBI, RUNTIME_SCALARS)
         if TWO_STATES:
             k2 = tl.load(k_ptrs + stride_kh, mask=k_mask, other=0.0)
-            s2 = _scores(q2, k2, dist, scale, softcap, slope2, SOFTCAP, ALIBI)
+            s2 = _scores(q2, k2, dist, scale, softcap, slope2, SOFTCAP, ALIBI, RUNTIME_SCALARS)
         if (kv_tile * TILE_N < full_lo) | ((kv_tile + 1) * TILE_N > full_hi):  # edge tile
             visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
             s1 = tl.where(visible, s1, float("-inf"))

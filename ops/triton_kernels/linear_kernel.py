@@ -17,6 +17,7 @@ norm and SwiGLU kernels of :mod:`.norm_act_kernel` around it.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .launch_utils import device_guard, next_power_of_2
+from .launch_utils import CachedLauncher, device_guard, next_power_of_2
 from .norm_act_kernel import MAX_NORM_WIDTH, rms_norm
 from .norm_act_kernel import silu_and_mul as silu_and_mul_rows
 
@@ -117,6 +118,7 @@ class LinearTiles(NamedTuple):
     num_stages: int
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_linear_tiles(rows: int, out_features: int, in_features: int, silu_and_mul: bool) -> LinearTiles:
     """Tiles of :func:`fused_linear_kernel`, from the H200 sweep of
     ``profiling/bench_linear.py`` at one row: 2 warps; 4 weight rows a program (8 for
@@ -133,14 +135,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                  residual: torch.Tensor | None = None, silu_and_mul: bool = False,
                  tiles: LinearTiles | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`compiled_attn.ops.fused_linear` (no checks here) for CUDA tensors, or CPU ones
-    under ``TRITON_INTERPRET=1``.
+    """The ``compiled_attn::fused_linear`` op on CUDA (arguments as its schema, no checks
+    here), or on CPU tensors under ``TRITON_INTERPRET=1``; float64 runs the reference.
 
     Up to ``GEMV_MAX_ROWS`` rows (or with ``tiles``, which overrides the heuristic: tests,
     sweeps) launch :func:`fused_linear_kernel`, writing ``out`` (an optional ``[M, N]``
     output with unit column stride) or a new tensor; more rows run :func:`_cublas_path`
     (``out`` is then ignored). Inputs with a non-unit column stride are copied.
     """
+    if x.dtype == torch.float64:  # the kernels accumulate in float32
+        return reference.fused_linear(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
     rows, in_features = x.shape
     if tiles is None and rows > GEMV_MAX_ROWS:
         return _cublas_path(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul)
@@ -160,20 +164,28 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"out must be [{rows}, {out_features}] with unit column stride, "
                          f"got shape {tuple(out.shape)} strides {out.stride()}")
     dummy = x  # never read when its flag is off
-    grid = (triton.cdiv(out_features, tiles.block_n),)
+    tensors = (x, weight, dummy if bias is None else bias.contiguous(),
+               dummy if norm_weight is None else norm_weight.contiguous(), dummy if residual is None else residual, out)
+    ints = (rows, out_features, in_features, x.stride(0), weight.stride(0),
+            0 if residual is None else residual.stride(0), out.stride(0))
+    flags = (bias is not None, norm_weight is not None, silu_and_mul, residual is not None)
+    device_index = x.get_device()
+    key = (ints, flags, tiles, x.dtype, device_index, tuple([t.data_ptr() % 16 for t in tensors]),
+           tuple([t.dtype for t in tensors]))
+
+    def specialize():
+        constexprs = dict(HAS_BIAS=flags[0], HAS_NORM=flags[1], SILU_MUL=flags[2], HAS_RESIDUAL=flags[3],
+                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                          EVEN_K=in_features % tiles.block_k == 0)
+        return constexprs, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
     with device_guard(x):
-        fused_linear_kernel[grid](
-            x, weight, dummy if bias is None else bias.contiguous(),
-            dummy if norm_weight is None else norm_weight.contiguous(),
-            dummy if residual is None else residual, out,
-            rows, out_features, in_features, x.stride(0), weight.stride(0),
-            0 if residual is None else residual.stride(0), out.stride(0), norm_eps,
-            HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, SILU_MUL=silu_and_mul,
-            HAS_RESIDUAL=residual is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, EVEN_K=in_features % tiles.block_k == 0,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )
+        _LAUNCH(key, (triton.cdiv(out_features, tiles.block_n), 1, 1), (*tensors, *ints, norm_eps), device_index,
+                specialize)
     return out
+
+
+_LAUNCH = CachedLauncher(fused_linear_kernel)
 
 
 def _cublas_path(x, weight, bias, norm_weight, norm_eps, residual, silu_and_mul) -> torch.Tensor:

@@ -31,7 +31,7 @@ def _merge_head(part_ptr, lse_ptr, token, head, num_splits,
     return tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])  # batch-dependent values
 def merge_splits_kernel(
     out_ptr, part_ptr, lse_ptr, lambda_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_utils import device_guard, next_power_of_2
+from .launch_utils import CachedLauncher, device_guard, next_power_of_2
 
 MAX_NORM_WIDTH = 1 << 16  # one program holds a whole row
 SILU_BLOCK = 1024
@@ -56,9 +56,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, width = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows:
+        tensors = (x, weight, out)
+        device_index = x.get_device()
+        key = (width, x.stride(0), x.dtype, weight.dtype, device_index, tuple([t.data_ptr() % 16 for t in tensors]))
         with device_guard(x):
-            rms_norm_kernel[(rows,)](x, weight, out, width, x.stride(0), out.stride(0), eps,
-                                     BLOCK_K=next_power_of_2(width), num_warps=8)
+            _RMS_NORM(key, (rows, 1, 1), (*tensors, width, x.stride(0), out.stride(0), eps), device_index,
+                      lambda: (dict(BLOCK_K=next_power_of_2(width)), dict(num_warps=8)))
     return out
 
 
@@ -72,9 +75,16 @@ def silu_and_mul(y: torch.Tensor, residual: torch.Tensor | None = None) -> torch
     half = width // 2
     out = torch.empty((rows, half), dtype=y.dtype, device=y.device)
     if rows:
+        tensors = (y, y if residual is None else residual, out)
+        strides = (y.stride(0), 0 if residual is None else residual.stride(0), out.stride(0))
+        device_index = y.get_device()
+        key = (half, strides, residual is None, y.dtype, tensors[1].dtype, device_index,
+               tuple([t.data_ptr() % 16 for t in tensors]))
         with device_guard(y):
-            silu_and_mul_kernel[(rows, triton.cdiv(half, SILU_BLOCK))](
-                y, y if residual is None else residual, out, half, y.stride(0),
-                0 if residual is None else residual.stride(0), out.stride(0),
-                HAS_RESIDUAL=residual is not None, BLOCK_N=SILU_BLOCK)
+            _SILU_AND_MUL(key, (rows, triton.cdiv(half, SILU_BLOCK), 1), (*tensors, half, *strides), device_index,
+                          lambda: (dict(HAS_RESIDUAL=residual is not None, BLOCK_N=SILU_BLOCK), {}))
     return out
+
+
+_RMS_NORM = CachedLauncher(rms_norm_kernel)
+_SILU_AND_MUL = CachedLauncher(silu_and_mul_kernel)
