@@ -23,6 +23,7 @@ from .benchmark import run_bench
 from .engine import Engine
 from .kv_cache import OutOfBlocksError
 from .models import build_random_model, default_config, load_diffllama
+from .ops.backends import compiled_variants
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -131,8 +132,7 @@ def generate(args, tokenizer) -> dict:
                     max_num_seqs=args.max_batch_size,
                     cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs,
                     async_decode=not args.no_async_decode)
-    if not args.no_compile or engine.cuda_graphs:  # compile and capture before timing
-        engine.generate([p[:1] for p in prompts[:2]], SamplingParams(max_new_tokens=2))
+    variants = compiled_variants()  # Triton kernels compiled so far (the engine warmed up)
     if args.profile is None:
         completions, timings = engine.generate(prompts, params, seed=args.seed)
         profile = None
@@ -162,6 +162,8 @@ def generate(args, tokenizer) -> dict:
             "decode_tokens_per_s": timings.decode_tokens_per_s,
             "overlapped_steps": timings.overlapped_steps,
             "compile_seconds": stats.compile_seconds if stats else 0.0,
+            "warmup_seconds": engine.warmup_seconds,
+            "jit_compiles": compiled_variants() - variants,
         },
         "compile": None if stats is None else {
             "graphs_compiled": stats.graphs_compiled,
@@ -189,6 +191,7 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
     t = result["timings"]
     print(f"prefill: {t['prefill_tokens']} tokens, {t['prefill_tokens_per_s']:.1f} tokens/s")
     print(f"decode:  {t['decode_tokens']} tokens, {t['decode_tokens_per_s']:.1f} tokens/s")
+    print(f"warm-up: {t['warmup_seconds']:.1f} s before the first request")
     if result["compile"] is not None:
         c = result["compile"]
         print(f"compile: {t['compile_seconds']:.1f} s, {c['graphs_compiled']} graphs, "

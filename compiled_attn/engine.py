@@ -19,6 +19,7 @@ host has seen the previous tokens. Everything runs in order on one CUDA stream.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import time
 from collections import deque
@@ -32,12 +33,32 @@ from torch.profiler import record_function
 from .compile import CompiledFunction, CompileStats
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, DecodeRow, decode_step, default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError
+from .layers import Attention, DifferentialAttention
 from .metadata import SequenceChunk, build_metadata
+from .ops.backends import TRITON_AVAILABLE
 from .sampling import SamplingParams, check_seed, sample
 
 
 DEFAULT_CACHE_TOKENS = 65536
 """Cap of the default KV-cache size, in tokens."""
+
+
+@contextmanager
+def engine_mode():
+    """The one autograd mode the engine makes and uses its tensors in, whatever the
+    caller's: inference mode off, gradients off.
+
+    Dynamo guards on a tensor's dispatch keys, and a tensor made under
+    ``torch.inference_mode()`` lacks the autograd ones, so metadata or sampler inputs made
+    in the caller's mode would recompile the compiled model and sampler when the caller
+    switches between ``inference_mode``, ``no_grad`` and neither. Inference mode is off
+    (not on) because the KV cache and the decode buffers are written in place on every
+    step, which an inference tensor refuses outside inference mode; an engine built under
+    ``inference_mode`` still gets ordinary tensors. (``inference_mode(False)`` turns
+    gradients back on, hence ``no_grad`` inside it.)
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 @dataclass
@@ -157,6 +178,8 @@ class Engine:
         async_decode: read a decode step's tokens one step late, launching the next decode
             step first when it can (see :meth:`step`); off, each decode step waits for its
             own tokens.
+        warmup: run :meth:`warmup` at the end of construction, so that compiling (Dynamo,
+            Inductor, Triton) and graph capture happen before the first request.
 
     Raises:
         ValueError: bad sizes, CUDA graphs asked for a CPU model.
@@ -166,7 +189,7 @@ class Engine:
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 128,
                  compile: bool = True, compile_kwargs: dict | None = None,
                  cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
-                 async_decode: bool = True) -> None:
+                 async_decode: bool = True, warmup: bool = True) -> None:
         config = model.config
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
@@ -181,10 +204,12 @@ class Engine:
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         if num_blocks is None:
             num_blocks = min(8 * self.max_blocks_per_seq, -(-DEFAULT_CACHE_TOKENS // block_size))
-        self.kv_cache = KVCache.allocate(
-            model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim, self.dtype, self.device,
-        )
+        with engine_mode():  # never inference tensors: the steps write them in place
+            self.kv_cache = KVCache.allocate(
+                model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
+                config.head_dim, self.dtype, self.device,
+            )
+            self.buffers = DecodeBuffers(max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         self.eos_token_ids = config.eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.compile_stats = CompileStats() if compile else None
@@ -192,7 +217,6 @@ class Engine:
         # Compiled, the sampler's ~60 small elementwise ops (hash noise, softmax, top-p) fuse
         # into a few kernels, which matters inside a replayed decode step.
         self.sampler = CompiledFunction(sample, self.compile_stats) if compile else sample
-        self.buffers = DecodeBuffers(max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         self.capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs))
         self.graph_runner: CUDAGraphRunner | None = None
         self.capture_stats: CaptureStats | None = None
@@ -203,6 +227,7 @@ class Engine:
         self._ids = itertools.count()
         self._decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in buffers
         self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
+        self.warmup_seconds = self.warmup() if warmup else 0.0
 
     # --- requests ---------------------------------------------------------------------
 
@@ -286,8 +311,13 @@ class Engine:
 
     # --- steps ------------------------------------------------------------------------
 
+    @engine_mode()
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it (their last token was read).
+
+        It runs in :func:`engine_mode` whatever the caller's mode (``inference_mode``,
+        ``no_grad`` or neither), so the compiled model and sampler see the same kind of
+        tensors on every call.
 
         With ``async_decode`` a decode step stays in flight after its launch and its tokens
         are read by the next call. That call, when it would run a decode over the same rows
@@ -391,17 +421,15 @@ class Engine:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        # no_grad, not inference_mode: the decode step's static buffers are ordinary tensors,
-        # and inputs of both kinds would make the compiled sampler recompile.
-        with torch.no_grad():
-            logits = self.forward(md, self.kv_cache.layers)
-            tokens = self.sampler(
-                logits,
-                column([r.params.temperature for r in requests], torch.float32),
-                column([r.params.top_p for r in requests], torch.float32),
-                column([r.seed for r in requests], torch.int64),
-                column([len(r.prompt_ids) for r in requests], torch.int64),
-            )
+        # In engine_mode (step's): metadata and sampler inputs are the tensors of every step.
+        logits = self.forward(md, self.kv_cache.layers)
+        tokens = self.sampler(
+            logits,
+            column([r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.seed for r in requests], torch.int64),
+            column([len(r.prompt_ids) for r in requests], torch.int64),
+        )
         return tokens.tolist()
 
     def _launch_decode(self, ahead: int) -> InflightStep:
@@ -433,12 +461,11 @@ class Engine:
             for row, index, block in new_blocks:
                 self.buffers.set_block(row, index, block)
         greedy = all(r.params.temperature == 0 for r in requests)
-        with torch.no_grad():
-            if size is not None:
-                with record_function("replay"):
-                    tokens = self.graph_runner.replay(size, greedy)[:rows]
-            else:
-                tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
+        if size is not None:  # in engine_mode, as all of step()
+            with record_function("replay"):
+                tokens = self.graph_runner.replay(size, greedy)[:rows]
+        else:
+            tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
         self.timings.decode_steps += 1
         return InflightStep.launch(requests, tokens)
 
@@ -452,7 +479,7 @@ class Engine:
         def step(rows: int, greedy: bool) -> torch.Tensor:
             return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
 
-        with record_function("capture"), torch.no_grad():
+        with record_function("capture"), engine_mode():
             self.buffers.write([], self.buffers.max_rows)  # all padding while capturing
             runner = CUDAGraphRunner(step, [s for s in self.capture_sizes if s <= self.max_num_seqs])
             self.capture_stats = runner.capture()
@@ -467,6 +494,64 @@ class Engine:
         elif len(request.output_ids) >= request.params.max_new_tokens:
             request.finish_reason = "length"
         return request.finish_reason is not None
+
+    # --- warm-up ----------------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Compile ahead of the first request what the steps can launch; returns seconds.
+
+        Runs synthetic requests (token id 0) through the ordinary steps: one prefill and one
+        decode step (compiling the model and the sampler, capturing the CUDA graphs), and on
+        CUDA one prefill per Triton kernel variant that a prefill batch within this engine's
+        limits can reach, plus one decode step per variant of the batch sizes that run
+        without a graph (:meth:`_warmup_batches`). Triton keeps what it compiled, so later
+        requests reuse it; the timings and the cache are left as before.
+        """
+        start = time.perf_counter()
+        for num_seqs, prompt_len, new_tokens in self._warmup_batches():
+            self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
+        if self.cuda_graphs and self.graph_runner is None:
+            with engine_mode():
+                self.capture()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timings = Timings()
+        return time.perf_counter() - start
+
+    def _warmup_batches(self) -> list[tuple[int, int, int]]:
+        """``(num_seqs, prompt_len, max_new_tokens)`` of the warm-up batches.
+
+        Prefill candidates: every ``num_seqs`` up to ``max_num_seqs`` with prompts of 1..3
+        tokens, powers of two and one past them (where tile sizes change) and a 10% geometric
+        grid between (where split counts change), that fit the cache with a decode step to
+        spare. Decode candidates: the batch sizes no CUDA graph serves.
+        :func:`~compiled_attn.ops.triton_kernels.attention.distinct_variants` keeps the first
+        batch of each kernel variant, per kind of attention layer.
+        """
+        batches = [(1, 1, 2)]
+        if self.device.type != "cuda" or not TRITON_AVAILABLE:
+            return batches
+        from .ops.triton_kernels.attention import distinct_variants
+
+        allocator = self.kv_cache.allocator
+        powers = [1 << i for i in range(self.max_model_len.bit_length())]
+        geometric = [round(1.1 ** i) for i in range(int(math.log(self.max_model_len, 1.1)) + 1)]
+        lengths = sorted({1, 2, 3, *powers, *(p + 1 for p in powers), *geometric})
+        prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths
+                    if b <= self.max_num_seqs and n + 3 <= self.max_model_len
+                    and b * -(-(n + 3) // allocator.block_size) <= allocator.num_blocks]
+        graphed = self.capture_sizes[-1] if self.cuda_graphs else 0
+        decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1)
+                   if b * -(-4 // allocator.block_size) <= allocator.num_blocks]
+        config = self.model.config
+        heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
+                             if isinstance(m, Attention)}:
+            variant = dict(differential=differential, dtype=self.dtype, device=self.device)
+            batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant)]
+            max_kv_len = self.max_blocks_per_seq * allocator.block_size
+            batches += [(b, 1, 2) for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
+        return list(dict.fromkeys(batches))
 
     # --- batch API ------------------------------------------------------------------------
 

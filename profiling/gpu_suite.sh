@@ -7,12 +7,16 @@
 #                                        # embedded model (B=8) and the bench model (B=1)
 #   bash profiling/gpu_suite.sh linear   # fused_linear tests and profiling/bench_linear.py, with a
 #                                        # tile sweep of SWEEP_SECONDS (default 150; 0: none)
-#   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64)
+#   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64;
+#                                        # MODES="graphs compiled reduce-overhead" picks runtimes)
+#   bash profiling/gpu_suite.sh tests    # every GPU test (pytest -m gpu)
+#   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
+#                                        # (warm-up seconds, Triton JIT compiles inside the run)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|host}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -77,12 +81,30 @@ decode)
     mkdir -p "$out/results"
     shift
     batches="${*:-}"
+    modes=(); [ -n "${MODES:-}" ] && modes=(--modes $MODES)
     for batch in ${batches:-1 64}; do
-        run bench_decode 420 python3 -m compiled_attn.cli bench --batch-sizes "$batch" --results-dir "$out/results"
+        run bench_decode 420 python3 -m compiled_attn.cli bench --batch-sizes "$batch" --results-dir "$out/results" "${modes[@]}"
     done
     echo "== summary"
     grep -h "FAILED\|ms/step\|bandwidth\|kernel" "$out/bench_decode.log" | head -40
     cat "$out/results/decode.md" 2>/dev/null
+    ;;
+tests)
+    run pytest_gpu 420 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests"
+    echo "== summary"
+    echo "pytest_gpu: $(tail -n 1 "$out/pytest_gpu.log")"
+    grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
+    ;;
+host)
+    mkdir -p "$out/results"
+    run bench_host 150 python3 "$repo/profiling/bench_host.py" --results-dir "$out/results"
+    run cli_profile 200 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32 \
+        --profile "$out/trace"
+    echo "== summary"
+    grep -A16 "tottime" "$out/bench_host.log" | head -18
+    python3 -c "import json; r=json.loads(open('$out/cli_profile.log').read().splitlines()[-1]); t=r['timings']; print('generate cuda --profile: warmup_s', round(t['warmup_seconds'], 1), 'jit_compiles', t['jit_compiles'], 'shares', r['profile']['phase_shares'], r['compile'])" || true
+    cat "$out/results/host.md"
+    rm -rf "$out/trace"
     ;;
 *)
     echo "unknown stage $stage"; exit 2

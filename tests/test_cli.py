@@ -150,7 +150,8 @@ def test_text_output(capsys, tmp_path):
     assert lines[0].startswith("[0] 'ab' -> ") and lines[0].endswith("(2 tokens, length)")
     assert lines[1].startswith("prefill: 2 tokens, ") and lines[1].endswith(" tokens/s")
     assert lines[2].startswith("decode:  1 tokens, ") and lines[2].endswith(" tokens/s")
-    assert len(lines) == 3  # no compile line when eager
+    assert lines[3].startswith("warm-up: ") and lines[3].endswith(" s before the first request")
+    assert len(lines) == 4  # no compile line when eager
 
 
 @pytest.mark.parametrize(

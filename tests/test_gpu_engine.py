@@ -142,3 +142,43 @@ def test_trace_of_replayed_decode_shows_our_kernels_inside_replays(tmp_path):
     launches = [n for n in attention if "attention_kernel" in n]
     assert launches, f"no attention kernel in {list(attention)[:10]}"
     assert summary.device_busy_us > 0
+
+
+def test_reduce_overhead_records_cuda_graphs_over_our_ops_and_matches_eager():
+    """``torch.compile(mode="reduce-overhead", fullgraph=True)``: the KV caches are static
+    addresses, so Inductor's CUDA-graph trees record our cache-writing ops (no skipped graph)
+    and give eager's tokens."""
+    from torch._dynamo.utils import counters
+
+    model = _model(5)
+    prompts, params = _workload(12, seed=6)
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens) for p in params]  # greedy
+    eager, _ = Engine(model, compile=False, cuda_graphs=False, num_blocks=256).generate(prompts, params)
+    skipped = counters["inductor"]["cudagraph_skips"]
+    engine = Engine(model, compile=True, cuda_graphs=False, num_blocks=256,
+                    compile_kwargs={"mode": "reduce-overhead"})
+    got, _ = engine.generate(prompts, params)
+    assert counters["inductor"]["cudagraph_skips"] == skipped
+    assert engine.compile_stats.recompiles == 0 and engine.compile_stats.graph_breaks == 0
+    assert [r.output_ids for r in got] == [r.output_ids for r in eager]
+
+
+def test_warmup_keeps_triton_compiles_out_of_requests():
+    """After the engine's warm-up, requests of any prompt length and batch size within its
+    limits compile no Triton kernel variant (no JIT inside TTFT or a profile)."""
+    from compiled_attn.ops.triton_kernels import compiled_variants
+
+    model = _model(7, torch.bfloat16)
+    engine = Engine(model, compile=True, max_num_seqs=32, num_blocks=1024)
+    assert engine.warmup_seconds > 0
+    before = compiled_variants()
+    rng = random.Random(8)
+    for batch in (1, 3, 17, 32):
+        prompts = [[rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 200))] for _ in range(batch)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert compiled_variants() == before
+    without_graphs = Engine(model, compile=True, cuda_graphs=False, max_num_seqs=32, num_blocks=1024)
+    before = compiled_variants()
+    for batch in (1, 5, 9, 31):
+        without_graphs.generate([[1, 2, 3]] * batch, SamplingParams(max_new_tokens=3))
+    assert compiled_variants() == before

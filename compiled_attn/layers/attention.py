@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..metadata import AttentionMetadata
-from ..ops import paged_attention, reshape_and_cache, varlen_attention
+from ..ops.attention import PAGED_ATTENTION, VARLEN_ATTENTION
+from ..ops.cache import RESHAPE_AND_CACHE
 from ..ops.validation import check_head_size, check_heads
 from .linear import linear
 from .norm import RMSNorm
@@ -73,7 +74,8 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(head_size, rope_theta) if rope_theta is not None else None
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
-        self.attn_options = dict(scale=head_size ** -0.5, causal=causal, window_size=window, softcap=softcap)
+        # The ops' (scale, causal, window_left, window_right, softcap): constants of the layer.
+        self.attn_options = (head_size ** -0.5, causal, *window, softcap)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor, input_norm: RMSNorm | None = None):
         """Q ``[T, Hq, D]`` and, unless the cache is shared, K/V ``[T, Hkv, D]``, rotated;
@@ -96,18 +98,23 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, md: AttentionMetadata, kv_cache: KVCacheLayer | None,
                lambda_full: torch.Tensor | None = None) -> torch.Tensor:
-        """Cache write + one attention op; returns the op's output (see the ops)."""
-        options = dict(self.attn_options, alibi_slopes=self.alibi_slopes)
+        """Cache write + one attention op; returns the op's output (see the ops).
+
+        The ops are called directly (``torch.ops.compiled_attn.*``): the shortest path to the
+        kernel, with the layer's options as constants. Their metadata values are not
+        checked here: :func:`~compiled_attn.metadata.build_metadata` checks what it builds.
+        """
+        options = (*self.attn_options, self.alibi_slopes, None)
         if kv_cache is None:
             if k is None:
                 raise ValueError("a layer that shares another layer's KV cache needs kv_cache")
-            return varlen_attention(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, **options)
+            return VARLEN_ATTENTION(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, *options)
         if k is not None:
-            reshape_and_cache(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
+            RESHAPE_AND_CACHE(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
             if md.prefill_only:
-                return varlen_attention(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, **options)
-        return paged_attention(q, kv_cache[0], kv_cache[1], md.cu_seqlens_q, md.seq_lens,
-                               md.block_table, lambda_full, **options)
+                return VARLEN_ATTENTION(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, *options)
+        return PAGED_ATTENTION(q, kv_cache[0], kv_cache[1], md.cu_seqlens_q, md.seq_lens, md.block_table,
+                               lambda_full, *options)
 
     def forward(self, hidden: torch.Tensor, md: AttentionMetadata, kv_cache: KVCacheLayer | None = None,
                 input_norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""An ``nn.Linear`` applied through :func:`compiled_attn.ops.fused_linear`, with the
-RMSNorm before it and the residual add or SwiGLU after it fused in."""
+"""An ``nn.Linear`` with the RMSNorm before it and the residual add or SwiGLU after it
+fused in: the ``compiled_attn::fused_linear`` op on accelerators, its PyTorch composition
+on the CPU."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..ops import fused_linear
+from ..ops import reference
+from ..ops.linear import FUSED_LINEAR
 from .norm import RMSNorm
 
 
@@ -23,10 +25,17 @@ def linear(x: torch.Tensor, layer: nn.Linear, norm: RMSNorm | None = None,
     Returns:
         ``[T, out]`` (``out = layer.out_features``, halved with ``silu_and_mul``).
 
+    On the CPU the op's reference composition (:func:`compiled_attn.ops.reference.fused_linear`)
+    runs inline instead of the op: under ``torch.compile`` Inductor then fuses the norm,
+    SwiGLU and residual into the kernels around the GEMM, which an opaque op would hide from
+    it (the op's CPU kernel is that same composition, run op by op). The device is fixed
+    per compiled graph, so this costs no guard.
+
     Raises:
-        TypeError, ValueError: as :func:`compiled_attn.ops.fused_linear`.
+        TypeError, ValueError: as :func:`compiled_attn.ops.fused_linear`, from the op's
+        fake while tracing; an eager call goes straight to the kernel (the shortest path),
+        so shapes are the layer's to get right.
     """
-    return fused_linear(x, layer.weight, layer.bias,
-                        norm_weight=None if norm is None else norm.weight,
-                        norm_eps=1e-6 if norm is None else norm.eps,
-                        residual=residual, silu_and_mul=silu_and_mul)
+    args = (x, layer.weight, layer.bias, None if norm is None else norm.weight,
+            1e-6 if norm is None else norm.eps, residual, silu_and_mul)
+    return reference.fused_linear(*args) if x.is_cpu else FUSED_LINEAR(*args)
