@@ -511,47 +511,50 @@ class Engine:
         for num_seqs, prompt_len, new_tokens in self._warmup_batches():
             self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
         if self.cuda_graphs and self.graph_runner is None:
-            with engine_mode():
-                self.capture()
+            self.capture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.timings = Timings()
+        # As if no request had run: request ids (default seeds) from 0, decode buffers to rewrite.
+        self.timings, self._ids, self._decode_layout = Timings(), itertools.count(), None
         return time.perf_counter() - start
 
     def _warmup_batches(self) -> list[tuple[int, int, int]]:
         """``(num_seqs, prompt_len, max_new_tokens)`` of the warm-up batches.
 
-        Prefill candidates: every ``num_seqs`` up to ``max_num_seqs`` with prompts of 1..3
+        Every batch fits the engine's limits at once (:meth:`_fits`). Prefill candidates:
+        every ``num_seqs`` up to ``max_num_seqs`` with prompts of 1..3
         tokens, powers of two and one past them (where tile sizes change) and a 10% geometric
         grid between (where split counts change), that fit the cache with a decode step to
         spare. Decode candidates: the batch sizes no CUDA graph serves.
         :func:`~compiled_attn.ops.triton_kernels.attention.distinct_variants` keeps the first
         batch of each kernel variant, per kind of attention layer.
         """
-        batches = [(1, 1, 2)]
-        if self.device.type != "cuda" or not TRITON_AVAILABLE:
-            return batches
-        from .ops.triton_kernels.attention import distinct_variants
+        batches = [(1, 1, 2) if self._fits(1, 1, 2) else (1, 1, 1)]  # a prefill and a decode step
+        if self.device.type == "cuda" and TRITON_AVAILABLE:
+            from .ops.triton_kernels.attention import distinct_variants
 
-        allocator = self.kv_cache.allocator
-        powers = [1 << i for i in range(self.max_model_len.bit_length())]
-        geometric = [round(1.1 ** i) for i in range(int(math.log(self.max_model_len, 1.1)) + 1)]
-        lengths = sorted({1, 2, 3, *powers, *(p + 1 for p in powers), *geometric})
-        prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths
-                    if b <= self.max_num_seqs and n + 3 <= self.max_model_len
-                    and b * -(-(n + 3) // allocator.block_size) <= allocator.num_blocks]
-        graphed = self.capture_sizes[-1] if self.cuda_graphs else 0
-        decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1)
-                   if b * -(-4 // allocator.block_size) <= allocator.num_blocks]
-        config = self.model.config
-        heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
-                             if isinstance(m, Attention)}:
-            variant = dict(differential=differential, dtype=self.dtype, device=self.device)
-            batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant)]
-            max_kv_len = self.max_blocks_per_seq * allocator.block_size
-            batches += [(b, 1, 2) for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
-        return list(dict.fromkeys(batches))
+            powers = [1 << i for i in range(self.max_model_len.bit_length())]
+            geometric = [round(1.1 ** i) for i in range(int(math.log(self.max_model_len, 1.1)) + 1)]
+            lengths = sorted({1, 2, 3, *powers, *(p + 1 for p in powers), *geometric})
+            prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths if self._fits(b, n, 1)]
+            graphed = self.capture_sizes[-1] if self.cuda_graphs else 0
+            decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1) if self._fits(b, 1, 2)]
+            config = self.model.config
+            heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            max_kv_len = self.max_blocks_per_seq * self.kv_cache.block_size
+            for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
+                                 if isinstance(m, Attention)}:
+                variant = dict(differential=differential, dtype=self.dtype, device=self.device)
+                batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant)]
+                batches += [(b, 1, 2) for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
+        return [batch for batch in dict.fromkeys(batches) if self._fits(*batch)]
+
+    def _fits(self, num_seqs: int, prompt_len: int, new_tokens: int) -> bool:
+        """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit this
+        engine at once (as :meth:`add_request` and admission count)."""
+        request = Request(-1, [0] * prompt_len, SamplingParams(max_new_tokens=new_tokens), 0)
+        return (num_seqs <= self.max_num_seqs and prompt_len + new_tokens <= self.max_model_len
+                and num_seqs * self._blocks_reserved(request) <= self.kv_cache.allocator.num_blocks)
 
     # --- batch API ------------------------------------------------------------------------
 

@@ -44,10 +44,7 @@ def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
 
 def resolve_scalars(scale: float, softcap: float, scale_softcap: Tensor | None):
     """``(scale, softcap)`` as floats: the arguments, or the values ``scale_softcap`` carries."""
-    if scale_softcap is None:
-        return scale, softcap
-    scale, softcap = scale_softcap.tolist()
-    return scale, softcap
+    return (scale, softcap) if scale_softcap is None else tuple(scale_softcap.tolist())
 
 
 def _paged_reference(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
@@ -96,11 +93,17 @@ VARLEN_ATTENTION = define_op(
 def _scalars(query: Tensor, scale: float | None, softcap: float) -> tuple[float, float, Tensor | None]:
     """The op's ``scale``, ``softcap`` and ``scale_softcap`` arguments: the floats (default
     scale ``head_size ** -0.5``; values checked) when eager, or, while tracing, the
-    ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic."""
+    ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic.
+    Its values are then checked when the graph runs (``torch._assert_async``: a
+    ``RuntimeError`` on the CPU, a device-side assert on CUDA), never by a Python
+    comparison, which would specialize the graph on the value."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if torch.compiler.is_compiling():
         one = query.new_ones((), dtype=torch.float32)
-        return 1.0, 0.0, torch.stack((one * scale, one * softcap))
+        scalars = torch.stack((one * scale, one * softcap))
+        torch._assert_async(torch.isfinite(scalars).all() & (scalars[0] > 0) & (scalars[1] >= 0),
+                            "scale must be finite and > 0 and softcap finite and >= 0")
+        return 1.0, 0.0, scalars
     check_scalars(scale, softcap)
     return scale, softcap, None
 

@@ -40,14 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils import flop_counter
 
-
-def _values_known(t: Tensor) -> bool:
-    """Whether a tensor's values can be read (not fake, functional or meta), as torch's
-    ``flop_counter._offsets_to_lengths`` decides."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return not isinstance(t, (FakeTensor, FunctionalTensor)) and t.device.type != "meta"
+from .value_checks import values_readable
 
 
 def _attention_flops(num_heads, head_size, value_size, query_key_pairs, differential: bool):
@@ -71,7 +64,7 @@ def varlen_attention_flops(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         ``Σ_seq 4 Hq q_len k_len D`` (plain) or ``Σ_seq 12 (Hq/2) q_len k_len D``
         (differential); dense bound ``Tq * Tk`` for the length products with fake tensors.
     """
-    if _values_known(cu_seqlens_q) and _values_known(cu_seqlens_k):
+    if values_readable(cu_seqlens_q) and values_readable(cu_seqlens_k):
         lengths_q = cu_seqlens_q.diff().tolist()
         lengths_k = cu_seqlens_k.diff().tolist()
         pairs = sum(a * b for a, b in zip(lengths_q, lengths_k))
@@ -96,7 +89,7 @@ def paged_attention_flops(query: Tensor, key_cache: Tensor, value_cache: Tensor,
         ``T * max_blocks * block_size`` for the length products with fake tensors.
         Padded graph rows (``seq_len`` 0) count zero.
     """
-    if _values_known(cu_seqlens_q) and _values_known(seq_lens):
+    if values_readable(cu_seqlens_q) and values_readable(seq_lens):
         lengths_q = cu_seqlens_q.diff().tolist()
         pairs = sum(a * b for a, b in zip(lengths_q, seq_lens.tolist()))
     else:

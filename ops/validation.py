@@ -70,10 +70,10 @@ def check_call_options(scale, window_size, softcap) -> tuple[int, int]:
         TypeError: ``scale`` not a real number or ``None``, ``softcap`` not a real number,
             ``window_size`` not a pair of ints.
     """
-    for name, value, optional in (("scale", scale, True), ("softcap", softcap, False)):
-        if (value is None and not optional) or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
-            allowed = "a float or None" if optional else "a float"
-            raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__} {softcap!r}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")

@@ -5,7 +5,8 @@ to the host in one transfer (one device-to-host synchronization for CUDA tensors
 CPU tensors) and checks it there with vectorized NumPy. The public functions of
 :mod:`compiled_attn.ops` run them before the op, eagerly only. They are skipped:
 
-* while ``torch.compile`` traces or a CUDA graph is being captured (:func:`should_check`);
+* while ``torch.compile`` traces, on fake or meta tensors (no values), or while a CUDA
+  graph is being captured (:func:`should_check`);
 * when the environment variable ``COMPILED_ATTN_CHECK_VALUES`` is ``0``;
 * for metadata already checked unchanged: each kind of check remembers the tensors of its
   last passing call (weak references) and their version counters, which every PyTorch
@@ -26,12 +27,21 @@ import numpy as np
 import torch
 
 
+def values_readable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor has values to read: not a FakeTensor or FunctionalTensor (tracing),
+    not on the meta device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return not isinstance(tensor, (FakeTensor, FunctionalTensor)) and tensor.device.type != "meta"
+
+
 def should_check(tensor: torch.Tensor) -> bool:
-    """True when value checks are wanted and affordable: eager, not tracing, not capturing,
-    and ``COMPILED_ATTN_CHECK_VALUES`` is not ``0``."""
+    """True when value checks are wanted and affordable: eager on real tensors, not tracing,
+    not capturing, and ``COMPILED_ATTN_CHECK_VALUES`` is not ``0``."""
     if torch.compiler.is_compiling() or os.environ.get("COMPILED_ATTN_CHECK_VALUES") == "0":
         return False
-    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+    return values_readable(tensor) and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class _LastPassed:
@@ -81,7 +91,7 @@ def _check_cu_seqlens(name: str, cu: np.ndarray, total: int) -> np.ndarray:
 def check_paged_values(query: torch.Tensor, key_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        seq_lens: torch.Tensor, block_table: torch.Tensor) -> None:
     """``cu_seqlens_q`` well formed; ``0 <= seq_lens[b] <= block_table width x block_size``;
-    the block ids a sequence with queries reads (its first ``ceil(seq_lens[b] / block_size)``
+    the block ids of each sequence's keys (its first ``ceil(seq_lens[b] / block_size)``
     columns) inside ``[0, num_blocks)``. Padding columns may hold anything.
 
     Raises:
@@ -93,14 +103,14 @@ def check_paged_values(query: torch.Tensor, key_cache: torch.Tensor, cu_seqlens_
         return
     cu, lens, table = _to_host(*tensors)
     width = block_table.shape[1]
-    q_lens = _check_cu_seqlens("cu_seqlens_q", cu, query.shape[0])
+    _check_cu_seqlens("cu_seqlens_q", cu, query.shape[0])
     max_len = width * block_size
     bad = np.flatnonzero((lens < 0) | (lens > max_len))
     if bad.size:
         b = bad[0]
         raise ValueError(f"seq_lens[{b}]={lens[b]} is out of range [0, {max_len}] "
                          f"(block_table width {width} x block_size {block_size})")
-    used = np.arange(width) < np.where(q_lens > 0, -(-lens // block_size), 0)[:, None]
+    used = np.arange(width) < (-(-lens // block_size))[:, None]
     table = table.reshape(-1, width)
     bad_rows = np.flatnonzero((used & ((table < 0) | (table >= num_blocks))).any(axis=1))
     if bad_rows.size:

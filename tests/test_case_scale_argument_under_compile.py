@@ -81,3 +81,15 @@ def test_bad_scale_still_raises_eagerly():
         ops.varlen_attention(q, k, v, cu, cu, softcap=float("inf"))
     with pytest.raises(TypeError, match="scale must be a float or None, got str"):
         ops.varlen_attention(q, k, v, cu, cu, scale="0.1")
+
+
+def test_bad_traced_scale_or_softcap_raises_when_the_graph_runs():
+    """A traced float is not compared in Python (that would specialize the graph), but its
+    value is checked when the graph runs: no silent NaN."""
+    f = torch.compile(lambda q, k, v, s, c: ops.varlen_attention(q, k, v, cu, cu, scale=s, softcap=c),
+                      fullgraph=True)
+    f(q, k, v, 0.25, 1.0)
+    f(q, k, v, 0.3, 2.0)  # now symbolic
+    for scale, softcap in ((float("nan"), 1.0), (-1.0, 1.0), (0.25, -1.0), (0.25, float("inf"))):
+        with pytest.raises(RuntimeError, match="scale must be finite and > 0 and softcap finite and >= 0"):
+            f(q, k, v, scale, softcap)

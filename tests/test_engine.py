@@ -337,3 +337,27 @@ def test_default_cache_is_capped_and_zero_blocks_refused(model):
     assert engine.kv_cache.allocator.num_blocks == DEFAULT_CACHE_TOKENS // 16
     with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
         make_engine(model, num_blocks=0)
+
+
+def test_warmup_leaves_no_trace(model):
+    """After the warm-up, a request gets the tokens it gets from an engine that never warmed
+    up: its default seed (its request id) and the decode buffers start afresh."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    outputs = []
+    for warmup in (True, False):
+        engine = make_engine(model, warmup=warmup)
+        request = engine.add_request([1, 2, 3], params)
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append(request.output_ids)
+        assert request.request_id == 0 and engine.kv_cache.allocator.num_free_blocks == engine.kv_cache.allocator.num_blocks
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("limits", [dict(max_model_len=2), dict(block_size=1, num_blocks=3), dict(max_num_seqs=1)])
+def test_warmup_fits_the_smallest_engines(model, limits):
+    """The warm-up batches keep to the engine's limits: any engine that can serve a
+    one-token request can be built."""
+    engine = make_engine(model, **limits)
+    (request,), _ = engine.generate([[5]], SamplingParams(max_new_tokens=1))
+    assert len(request.output_ids) == 1

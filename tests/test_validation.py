@@ -400,3 +400,32 @@ def test_value_checks_switched_off_by_the_environment(monkeypatch, tripwire):
     with pytest.raises(KernelRan):  # shape checks pass, value checks skipped: the op runs
         paged_attention(**args)
     assert tripwire == ["paged_attention"]
+
+
+def test_a_sequence_without_queries_has_its_block_ids_checked_too():
+    """Every kernel may read the keys of every sequence (the CPU kernel gathers them all):
+    block ids of a sequence with keys but no queries are checked like any other."""
+    args = _paged()
+    args["cu_seqlens_q"] = torch.tensor([0, 0, 2, 8], dtype=torch.int32)  # sequence 0: no query
+    args["block_table"] = args["block_table"].clone()
+    args["block_table"][0, 0] = 99
+    with pytest.raises(ValueError, match=r"block_table\[0\] holds block ids \[99\]"):
+        paged_attention(**args)
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_public_functions_run_on_tensors_without_values(where):
+    """Meta tensors and FakeTensorMode (shape propagation, export) skip the value checks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    paged, varlen, write = _paged(), _varlen(), _cache_write()
+    if where == "meta":
+        convert, mode = (lambda t: t.to("meta")), None
+    else:
+        mode = FakeTensorMode()
+        convert = mode.from_tensor
+    paged, varlen, write = ({k: convert(t) for k, t in d.items()} for d in (paged, varlen, write))
+    with mode if mode is not None else torch.no_grad():
+        assert paged_attention(**paged).shape == (8, 4, 16)
+        assert varlen_attention(**varlen, lambda_full=convert(torch.tensor(0.5))).shape == (8, 2, 32)
+        reshape_and_cache(**write)
