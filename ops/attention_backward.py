@@ -31,11 +31,12 @@ def _fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, cau
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dlambda
 
 
+# Returns (dq, dk, dv, dlambda); dlambda is empty [0] for plain attention.
 VARLEN_ATTENTION_BACKWARD = define_op(
     "varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
     f"Tensor cu_seqlens_k, {OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     _reference, _fake)
-"""Returns ``(dq, dk, dv, dlambda)``; ``dlambda`` is empty ``[0]`` for plain attention."""
+
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,

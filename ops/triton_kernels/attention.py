@@ -236,10 +236,10 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     num_seqs = cu_seqlens_q.shape[0] - 1
     spec_args = (query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
                  scale_softcap, out, num_splits)
-    key_ = _spec_key(*spec_args, pointers)
-    spec = _SPECS.get(key_)
+    shape_key = _spec_key(*spec_args, pointers)
+    spec = _SPECS.get(shape_key)
     if spec is None:
-        spec = _SPECS[key_] = _launch_spec(*spec_args)
+        spec = _SPECS[shape_key] = _launch_spec(*spec_args)
     if spec.split_shape is None:
         target, lse = out, out  # lse unused
     else:
@@ -248,10 +248,10 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     min_dist, max_dist = visibility_bounds(causal, window_left, window_right)
     device_index = query.get_device()
     with device_guard(query):
-        _ATTENTION(key_, spec.grid, (target, lse, *pointers[:6], *pointers[7:], num_seqs, scale, softcap,
+        _ATTENTION(shape_key, spec.grid, (target, lse, *pointers[:6], *pointers[7:], num_seqs, scale, softcap,
                                      min_dist, max_dist, *spec.int_args),
                    device_index, lambda: (spec.constexprs, spec.options))
         if spec.split_shape is not None:
-            _MERGE(key_, spec.merge_grid, (out, target, lse, pointers[7], *spec.merge_args), device_index,
+            _MERGE(shape_key, spec.merge_grid, (out, target, lse, pointers[7], *spec.merge_args), device_index,
                    lambda: (spec.merge_constexprs, {}))
     return out
