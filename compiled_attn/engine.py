@@ -258,7 +258,7 @@ class Engine:
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
         allocator = self.kv_cache.allocator
-        need = self._blocks_reserved(request)
+        need = self._blocks_reserved(len(prompt), params.max_new_tokens)
         if need > allocator.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {len(prompt)} + {params.max_new_tokens} tokens needs "
@@ -285,21 +285,21 @@ class Engine:
         step in flight (whose tokens may still finish requests or have to be dropped)."""
         return bool(self.waiting or self.running) or self._inflight is not None
 
-    def _blocks_reserved(self, request: Request) -> int:
-        """Blocks ``request`` can ever hold: prompt + max_new_tokens (+1 for the advance)."""
-        tokens = min(len(request.prompt_ids) + request.params.max_new_tokens + 1, self.max_model_len)
+    def _blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request can ever hold: prompt + max_new_tokens (+1 for the advance)."""
+        tokens = min(prompt_len + max_new_tokens + 1, self.max_model_len)
         return -(-tokens // self.kv_cache.block_size)
 
     def _num_admissible(self) -> int:
         """How many requests at the front of the queue fit now, beside the blocks the running
         ones may still claim and within ``max_num_seqs``."""
         allocator = self.kv_cache.allocator
-        outstanding = sum(self._blocks_reserved(r) - len(allocator.block_tables.get(r.request_id, ()))
-                          for r in self.running)
+        outstanding = sum(self._blocks_reserved(len(r.prompt_ids), r.params.max_new_tokens)
+                          - len(allocator.block_tables.get(r.request_id, ())) for r in self.running)
         free = allocator.num_free_blocks - outstanding
         count = 0
         for request in self.waiting:
-            need = self._blocks_reserved(request)
+            need = self._blocks_reserved(len(request.prompt_ids), request.params.max_new_tokens)
             if len(self.running) + count >= self.max_num_seqs or need > free:
                 break
             free -= need
@@ -552,9 +552,8 @@ class Engine:
     def _fits(self, num_seqs: int, prompt_len: int, new_tokens: int) -> bool:
         """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit this
         engine at once (as :meth:`add_request` and admission count)."""
-        request = Request(-1, [0] * prompt_len, SamplingParams(max_new_tokens=new_tokens), 0)
         return (num_seqs <= self.max_num_seqs and prompt_len + new_tokens <= self.max_model_len
-                and num_seqs * self._blocks_reserved(request) <= self.kv_cache.allocator.num_blocks)
+                and num_seqs * self._blocks_reserved(prompt_len, new_tokens) <= self.kv_cache.allocator.num_blocks)
 
     # --- batch API ------------------------------------------------------------------------
 

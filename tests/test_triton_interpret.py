@@ -30,6 +30,7 @@ from paged_batches import (  # noqa: E402
 )
 
 from compiled_attn.ops import triton_kernels  # noqa: E402
+from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
     MAX_SPLITS,
     choose_num_splits,
@@ -54,13 +55,6 @@ MIXED = [(0, 20), (37, 5), (50, 1), pad(1), (3, 0), (16, 3), (0, 1), (9, 4), pad
 
 def on_device(*tensors):
     return [None if t is None else t.to(DEVICE) for t in tensors]
-
-
-def output_shape(query, differential):
-    num_tokens, num_heads, head_size = query.shape
-    if differential:
-        return (num_tokens, num_heads // 2, 2 * head_size)
-    return tuple(query.shape)
 
 
 def launcher_options(options: dict, tensor_scalars: bool = False) -> dict:

@@ -21,7 +21,8 @@ from torch import Tensor
 from ..attention import output_shape
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
-from .launch_utils import BoundedCache, CachedLauncher, device_guard, multiprocessor_count, next_power_of_2
+from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
+                           next_power_of_2)
 from .merge_kernel import merge_splits_kernel
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
@@ -162,7 +163,7 @@ def _spec_key(query, key, value, num_seqs, block_table, max_kv_len, lambda_full,
             num_seqs, None if block_table is None else (block_table.shape, block_table.stride()), max_kv_len,
             None if lambda_full is None else (lambda_full.numel(), lambda_full.dtype), softcap > 0,
             alibi_slopes is None, scale_softcap is None, out.stride(), num_splits, query.get_device(),
-            tuple([t.data_ptr() % 16 for t in pointers]))
+            alignments(pointers))
 
 
 def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,

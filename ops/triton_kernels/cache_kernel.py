@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_utils import CachedLauncher, device_guard, next_power_of_2
+from .launch_utils import CachedLauncher, alignments, device_guard, next_power_of_2
 
 MAX_CHUNK = 2048
 
@@ -59,7 +59,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     strides = (*key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride())
     device_index = key.get_device()
     launch_key = (key.shape[1:], key_cache.shape[1], strides, key.dtype, key_cache.dtype, device_index,
-                  tuple([t.data_ptr() % 16 for t in tensors]))
+                  alignments(tensors))
     with device_guard(key):
         _LAUNCH(launch_key, grid, (*tensors, *strides), device_index, lambda: (dict(
             BLOCK_SIZE=key_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, CHUNK=chunk), {}))

@@ -34,6 +34,12 @@ def multiprocessor_count(device: torch.device) -> int:
     return _cuda_multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def alignments(tensors) -> tuple[int, ...]:
+    """Each tensor's address modulo 16 bytes: Triton specializes a compiled variant on
+    whether a pointer argument is 16-byte aligned, so launch keys carry it."""
+    return tuple([t.data_ptr() % 16 for t in tensors])
+
+
 class BoundedCache(dict):
     """A dict that forgets its oldest entry beyond ``maxsize`` entries (launch specs and
     compiled variants keyed by shapes: a server sees unboundedly many prefill shapes)."""

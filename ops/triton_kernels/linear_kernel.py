@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .launch_utils import CachedLauncher, device_guard, next_power_of_2
+from .launch_utils import CachedLauncher, alignments, device_guard, next_power_of_2
 from .norm_act_kernel import MAX_NORM_WIDTH, rms_norm
 from .norm_act_kernel import silu_and_mul as silu_and_mul_rows
 
@@ -170,7 +170,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             0 if residual is None else residual.stride(0), out.stride(0))
     flags = (bias is not None, norm_weight is not None, silu_and_mul, residual is not None)
     device_index = x.get_device()
-    key = (ints, flags, tiles, x.dtype, device_index, tuple([t.data_ptr() % 16 for t in tensors]),
+    key = (ints, flags, tiles, x.dtype, device_index, alignments(tensors),
            tuple([t.dtype for t in tensors]))
 
     def specialize():

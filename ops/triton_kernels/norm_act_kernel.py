@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_utils import CachedLauncher, device_guard, next_power_of_2
+from .launch_utils import CachedLauncher, alignments, device_guard, next_power_of_2
 
 MAX_NORM_WIDTH = 1 << 16  # one program holds a whole row
 SILU_BLOCK = 1024
@@ -58,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows:
         tensors = (x, weight, out)
         device_index = x.get_device()
-        key = (width, x.stride(0), x.dtype, weight.dtype, device_index, tuple([t.data_ptr() % 16 for t in tensors]))
+        key = (width, x.stride(0), x.dtype, weight.dtype, device_index, alignments(tensors))
         with device_guard(x):
             _RMS_NORM(key, (rows, 1, 1), (*tensors, width, x.stride(0), out.stride(0), eps), device_index,
                       lambda: (dict(BLOCK_K=next_power_of_2(width)), dict(num_warps=8)))
@@ -79,7 +79,7 @@ def silu_and_mul(y: torch.Tensor, residual: torch.Tensor | None = None) -> torch
         strides = (y.stride(0), 0 if residual is None else residual.stride(0), out.stride(0))
         device_index = y.get_device()
         key = (half, strides, residual is None, y.dtype, tensors[1].dtype, device_index,
-               tuple([t.data_ptr() % 16 for t in tensors]))
+               alignments(tensors))
         with device_guard(y):
             _SILU_AND_MUL(key, (rows, triton.cdiv(half, SILU_BLOCK), 1), (*tensors, half, *strides), device_index,
                           lambda: (dict(HAS_RESIDUAL=residual is not None, BLOCK_N=SILU_BLOCK), {}))
