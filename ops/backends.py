@@ -21,7 +21,7 @@ import importlib.util
 
 from .attention import PAGED_ATTENTION, VARLEN_ATTENTION
 from .cache import RESHAPE_AND_CACHE
-from .library import register_kernel
+from .library import register_kernel, register_traced_kernel
 from .linear import FUSED_LINEAR
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -34,6 +34,10 @@ if TRITON_AVAILABLE:
     register_kernel(VARLEN_ATTENTION, "CUDA", triton_kernels.varlen_attention)
     register_kernel(RESHAPE_AND_CACHE, "CUDA", triton_kernels.reshape_and_cache)
     register_kernel(FUSED_LINEAR, "CUDA", triton_kernels.fused_linear)
+    for op, launcher in ((PAGED_ATTENTION, triton_kernels.paged_attention),
+                         (VARLEN_ATTENTION, triton_kernels.varlen_attention),
+                         (FUSED_LINEAR, triton_kernels.fused_linear)):
+        register_traced_kernel(op, launcher, triton_kernels.traced_launches)
 else:
     def compiled_variants() -> int:
         """No Triton, no compiled kernel variants (see ``triton_kernels.compiled_variants``)."""

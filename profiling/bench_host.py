@@ -16,9 +16,16 @@ the same inputs:
   ``COMPILED_ATTN_CHECK_VALUES=0``.
 
 cProfile of raw ``paged_attention`` calls shows where the host time goes. bf16, Hq 32,
-Hkv 8, D 128, block 16 on CUDA. Appends to ``<results-dir>/host.md`` and ``host.jsonl``.
+Hkv 8, D 128, block 16 on CUDA.
 
-    python profiling/bench_host.py [--results-dir profiling/results] [--device cuda]
+``--model`` adds the decode step of the ~1.1 B model of ``compiled-attn bench`` (forward to
+logits, context 512, B=1 and B=64) as a user's ``torch.compile(model)`` runs it: static shapes
+(Inductor launches our kernels; also with Inductor's C++ wrapper), a dynamic batch (the ops stay opaque, as in our engine),
+``mode="reduce-overhead"``, and eager, against our runner's way (the dynamic compiled step
+captured in a CUDA graph and replayed). Appends to ``<results-dir>/host.md`` and
+``host.jsonl``.
+
+    python profiling/bench_host.py [--results-dir profiling/results] [--device cuda] [--model] [--no-ops]
 """
 
 from __future__ import annotations
@@ -161,6 +168,63 @@ def public_rows(device, dtype) -> list[ResultRow]:
     return rows
 
 
+def model_step_rows(device, dtype, batches=(1, 64), context: int = 512) -> list[ResultRow]:
+    """Step time of the bench model's decode forward, per runtime (see the module docstring)."""
+    from compiled_attn.benchmark import BENCH_CONFIG
+    from compiled_attn.compile import CompiledFunction
+    from compiled_attn.kv_cache import allocate_kv_caches
+    from compiled_attn.metadata import SequenceChunk, build_metadata
+    from compiled_attn.models import build_random_model
+
+    config = BENCH_CONFIG
+    model = build_random_model(config, seed=0, dtype=dtype, device=device)
+
+    width = context // BLOCK + 1
+    caches = allocate_kv_caches(model.num_cache_layers, max(batches) * width, BLOCK, config.num_key_value_heads,
+                                config.head_dim, dtype, device)  # one cache for every batch size, as an engine
+
+    def decode_batch(batch: int):
+        tables = [list(range(b * width, (b + 1) * width)) for b in range(batch)]
+        return build_metadata([SequenceChunk([1 + b], context - 1, t) for b, t in enumerate(tables)], BLOCK,
+                              width, device)
+
+    dynamic = CompiledFunction(model)
+    dynamic(decode_batch(2), caches)  # traced at B=2 first, so that B=1 stays symbolic (as the engine's warm-up)
+    rows = []
+    for batch in batches:
+        md = decode_batch(batch)
+        static = torch.compile(model, fullgraph=True, dynamic=False)  # as a user's first call: static shapes
+        overhead = torch.compile(model, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        cpp_wrapper = torch.compile(model, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+        md_dynamic = decode_batch(batch)  # its tensors get marked dynamic; md's stay static
+        for fn, inputs in ((static, md), (overhead, md), (cpp_wrapper, md), (dynamic, md_dynamic)):
+            for _ in range(3):
+                fn(inputs, caches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dynamic(md_dynamic, caches)
+        t = timed({"graph": graph.replay, "static": lambda: static(md, caches),
+                   "overhead": lambda: overhead(md, caches), "dynamic": lambda: dynamic(md_dynamic, caches),
+                   "cpp_wrapper": lambda: cpp_wrapper(md, caches),
+                   "eager": lambda: model(md, caches)}, device, calls=20, repeats=5)
+        runner = t["graph"][1] / 1e3
+        case = f"model decode step B={batch} ctx {context}"
+        rows += [
+            ResultRow(f"{case}, torch.compile(model) static shapes", "wall ms/step", t["static"][1] / 1e3,
+                      "our runner (CUDA graph replay)", runner, "<= 3" if batch == 1 else ""),
+            ResultRow(f"{case}, torch.compile(model, options=cpp_wrapper) static", "wall ms/step",
+                      t["cpp_wrapper"][1] / 1e3, "our runner (CUDA graph replay)", runner, "<= 3" if batch == 1 else ""),
+            ResultRow(f"{case}, torch.compile(model, mode=reduce-overhead) static", "wall ms/step",
+                      t["overhead"][1] / 1e3, "our runner (CUDA graph replay)", runner, "<= 1.3"),
+            ResultRow(f"{case}, torch.compile dynamic batch (ops opaque)", "wall ms/step", t["dynamic"][1] / 1e3,
+                      "our runner (CUDA graph replay)", runner),
+            ResultRow(f"{case}, eager", "wall ms/step", t["eager"][1] / 1e3, "our runner (CUDA graph replay)", runner),
+        ]
+        del graph, static, overhead, cpp_wrapper
+        torch.cuda.empty_cache()
+    return rows
+
+
 def profile_raw_call(device, dtype) -> str:
     """cProfile of 2000 raw paged_attention calls (decode B=1 ctx 1k): top functions by own time."""
     args = decode_inputs(1, 1024, device, dtype)
@@ -182,11 +246,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", action="store_true", help="add the model decode-step rows (CUDA)")
+    parser.add_argument("--no-ops", dest="ops", action="store_false", help="leave out the per-op rows")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = attention_rows(device, dtype) + linear_and_cache_rows(device, dtype) + public_rows(device, dtype)
-    print(profile_raw_call(device, dtype))
+    rows = []
+    if args.ops:
+        rows += attention_rows(device, dtype) + linear_and_cache_rows(device, dtype) + public_rows(device, dtype)
+        print(profile_raw_call(device, dtype))
+    if args.model:
+        rows += model_step_rows(device, dtype)
     print(write_results(rows, args.results_dir, "host", f"Host time per op call ({device.type}, {dtype})"))
 
 

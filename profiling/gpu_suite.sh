@@ -10,13 +10,15 @@
 #   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64;
 #                                        # MODES="graphs compiled reduce-overhead" picks runtimes)
 #   bash profiling/gpu_suite.sh tests    # every GPU test (pytest -m gpu)
+#   bash profiling/gpu_suite.sh compile  # our kernels inside Inductor's code (tests/test_gpu_compile.py)
+#                                        # and the model decode step per runtime (bench_host.py --model)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
 #                                        # (warm-up seconds, Triton JIT compiles inside the run)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|host}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|host}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -90,10 +92,19 @@ decode)
     cat "$out/results/decode.md" 2>/dev/null
     ;;
 tests)
-    run pytest_gpu 420 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests"
+    # Serial: the real-size kernel tests take up to 70 GiB each (parallel workers run out of memory).
+    run pytest_gpu 540 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests"
     echo "== summary"
     echo "pytest_gpu: $(tail -n 1 "$out/pytest_gpu.log")"
     grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
+    ;;
+compile)
+    mkdir -p "$out/results"
+    run pytest_gpu_compile 300 python3 -m pytest -p no:cacheprovider -q -rs -x -m gpu "$repo/tests/test_gpu_compile.py"
+    run bench_model 400 python3 "$repo/profiling/bench_host.py" --results-dir "$out/results" --model --no-ops
+    echo "== summary"
+    echo "pytest_gpu_compile: $(tail -n 1 "$out/pytest_gpu_compile.log")"
+    cat "$out/results/host.md"
     ;;
 host)
     mkdir -p "$out/results"

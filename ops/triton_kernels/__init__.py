@@ -26,6 +26,7 @@ is set before Triton is imported (the interpreter tests do so).
 from .attention import paged_attention, varlen_attention
 from .attention_kernel import attention_kernel
 from .cache_kernel import reshape_and_cache, reshape_and_cache_kernel
+from .launch_utils import traced_launches
 from .linear_kernel import fused_linear, fused_linear_kernel
 from .merge_kernel import merge_splits_kernel
 from .norm_act_kernel import rms_norm_kernel, silu_and_mul_kernel
@@ -41,4 +42,5 @@ def compiled_variants() -> int:
     return sum(len(caches[0]) for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values())
 
 
-__all__ = ["compiled_variants", "fused_linear", "paged_attention", "reshape_and_cache", "varlen_attention"]
+__all__ = ["compiled_variants", "fused_linear", "paged_attention", "reshape_and_cache", "traced_launches",
+           "varlen_attention"]

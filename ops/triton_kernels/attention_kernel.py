@@ -48,21 +48,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
-    """The sequence ``b`` with ``start(b) <= q_tile < start(b + 1)``, where
-    ``start(b) = cu_seqlens_q[b] // BLOCK_Q + b`` (strictly increasing in ``b``)."""
-    left: tl.int32 = 0
-    right = num_seqs
-    while left < right:
-        mid = (left + right + 1) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
-            left = mid
-        else:
-            right = mid - 1
-    return left
-
-
-@triton.jit
 def _tile_rows(rows, q_first, q_start, q_len, kv_unit, COMPONENT_ROWS: tl.constexpr,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
     """What tile rows ``rows`` hold: query index in the sequence, its head (pair) and that
@@ -172,12 +157,27 @@ def attention_kernel(
     if RUNTIME_SCALARS:
         scale = tl.load(scalars_ptr)
         softcap = tl.load(scalars_ptr + 1)
+    else:  # Inductor passes a float that float32 cannot hold exactly as float64
+        scale = tl.cast(scale, tl.float32)
+        softcap = tl.cast(softcap, tl.float32)
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q)
+    # The sequence ``seq`` with ``start(seq) <= q_tile < start(seq + 1)``, where
+    # ``start(b) = cu_seqlens_q[b] // BLOCK_Q + b`` (strictly increasing in ``b``): a binary
+    # search written inline, not as a called function: Inductor's mutation analysis of a
+    # traced kernel counts every pointer passed to a call whose result reaches a store
+    # address as written (it would copy cu_seqlens_q around each launch).
+    seq: tl.int32 = 0
+    right = num_seqs
+    while seq < right:
+        mid = (seq + right + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            seq = mid
+        else:
+            right = mid - 1
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     q_first = (q_tile - q_start // BLOCK_Q - seq) * BLOCK_Q

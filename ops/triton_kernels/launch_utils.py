@@ -2,10 +2,33 @@
 
 import contextlib
 import functools
-from typing import Callable, Hashable
+import threading
+from typing import Callable, Hashable, Iterator
 
 import torch
+from torch.library import wrap_triton
 from triton import knobs
+
+_TRACE = threading.local()
+
+
+@contextlib.contextmanager
+def traced_launches() -> Iterator[None]:
+    """While active (on this thread), launchers are being traced by AOTAutograd with
+    functional tensors: :class:`CachedLauncher` records each launch as a
+    ``torch.library.wrap_triton`` call, so Inductor compiles the kernel and launches it
+    from its generated code, and nothing reads a tensor's address."""
+    previous = getattr(_TRACE, "active", False)
+    _TRACE.active = True
+    try:
+        yield
+    finally:
+        _TRACE.active = previous
+
+
+def tracing_launches() -> bool:
+    """Whether :func:`traced_launches` is active on this thread."""
+    return getattr(_TRACE, "active", False)
 
 
 def next_power_of_2(n: int) -> int:
@@ -36,7 +59,10 @@ def multiprocessor_count(device: torch.device) -> int:
 
 def alignments(tensors) -> tuple[int, ...]:
     """Each tensor's address modulo 16 bytes: Triton specializes a compiled variant on
-    whether a pointer argument is 16-byte aligned, so launch keys carry it."""
+    whether a pointer argument is 16-byte aligned, so launch keys carry it. Empty while
+    launches are traced (no addresses; nothing is cached then)."""
+    if tracing_launches():
+        return ()
     return tuple([t.data_ptr() % 16 for t in tensors])
 
 
@@ -67,7 +93,8 @@ class CachedLauncher:
     determine everything Triton specializes a variant on: the constexpr values and options,
     the dtype and the 16-byte alignment of every tensor argument, and the value of every
     integer argument that is not in the kernel's ``do_not_specialize`` (strides, sizes).
-    Launches on CPU tensors (the interpreter) always take the ordinary path.
+    Launches on CPU tensors (the interpreter) always take the ordinary path, and launches
+    traced under :func:`traced_launches` become ``wrap_triton(kernel)[grid](...)`` calls.
 
     Args:
         kernel: a ``triton.jit`` function whose runtime arguments come first, positionally,
@@ -85,6 +112,10 @@ class CachedLauncher:
         CUDA device ``device_index`` (-1: a CPU tensor, the interpreter), where
         ``specialize()`` gives ``(constexprs, options)``; it is called only when ``key`` has
         no variant yet."""
+        if tracing_launches():
+            constexprs, options = specialize()
+            wrap_triton(self.kernel)[grid](*args, **constexprs, **options)
+            return
         variant = self.variants.get(key) if self.direct else None
         if variant is None:
             constexprs, options = specialize()

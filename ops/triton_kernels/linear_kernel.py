@@ -88,7 +88,7 @@ def fused_linear_kernel(
     if SILU_MUL:
         up = tl.sum(acc_up, axis=2)
     if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + tl.cast(eps, tl.float32))[:, None]
         y = y * rstd
         if SILU_MUL:
             up = up * rstd

@@ -26,7 +26,7 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps, BLOCK_K
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + tl.cast(eps, tl.float32))  # Inductor may pass float64
     y = (x * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + ks, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + ks, y.to(dtype), mask=mask)
 
