@@ -1,11 +1,13 @@
 """``compiled-attn`` command line: ``generate`` runs the decode loop on a model,
-``bench`` times decode steps under several runtimes (CUDA).
+``bench`` times decode steps under several runtimes (CUDA), ``profile-report`` writes one
+offline HTML report of a ``--profile`` trace.
 
 Examples::
 
     compiled-attn generate                              # embedded default model, CPU
     compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
-    compiled-attn generate --device cuda --profile runs/trace
+    compiled-attn generate --device cuda --profile runs/trace --profile-shapes --profile-stack
+    compiled-attn profile-report runs/trace                # runs/trace/<worker>.<ns>.report.html
     compiled-attn bench --batch-sizes 1 64
 """
 
@@ -24,6 +26,7 @@ from .engine import Engine
 from .kv_cache import OutOfBlocksError
 from .models import build_random_model, default_config, load_diffllama
 from .ops.backends import compiled_variants
+from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile-steps", type=_positive_int, default=8, help="engine steps to record with --profile")
     gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
                      help="with --profile on cuda: write a CUDA memory snapshot to FILE")
+    gen.add_argument("--profile-shapes", action="store_true", help="with --profile: record ops' input shapes")
+    gen.add_argument("--profile-stack", action="store_true", help="with --profile: record Python stacks of ops")
+    gen.add_argument("--profile-memory", action="store_true", help="with --profile: record allocations and frees")
     bench = commands.add_parser("bench", help="decode-step latency: eager, compiled, our graphs, "
                                 "reduce-overhead, transformers (CUDA)")
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
@@ -95,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["eager", "compiled", "graphs", "reduce-overhead", "hf"])
     bench.add_argument("--results-dir", type=Path, default=Path("profiling/results"),
                        help="where decode.md and decode.jsonl are appended")
+    report = commands.add_parser("profile-report", help="write one self-contained HTML report of a --profile trace "
+                                 "(phase shares, decode steps apart from prefill, top ops and kernels, timeline)")
+    report.add_argument("path", type=Path, metavar="DIR", help="a --profile directory (its newest trace) or a trace file")
+    report.add_argument("--out", type=Path, metavar="FILE", help="HTML file (default: <trace>.report.html beside it)")
+    report.add_argument("--top", type=_positive_int, default=15, help="rows in the ops and kernels tables")
+    report.add_argument("--timeline-steps", type=_positive_int, default=3, help="steps drawn in the timeline")
     return parser
 
 
@@ -119,6 +131,10 @@ def generate(args, tokenizer) -> dict:
         raise ValueError("--device cuda was given but torch sees no CUDA device")
     if args.memory_snapshot is not None and (args.profile is None or args.device != "cuda"):
         raise ValueError("--memory-snapshot needs --profile DIR and --device cuda")
+    flags = [f for f, on in (("--profile-shapes", args.profile_shapes), ("--profile-stack", args.profile_stack),
+                             ("--profile-memory", args.profile_memory)) if on]
+    if flags and args.profile is None:
+        raise ValueError(f"{' '.join(flags)} needs --profile DIR")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
     if args.model is None:
@@ -137,10 +153,12 @@ def generate(args, tokenizer) -> dict:
         completions, timings = engine.generate(prompts, params, seed=args.seed)
         profile = None
     else:
-        profiler = StepProfiler(args.profile, active=args.profile_steps, memory_snapshot=args.memory_snapshot)
+        profiler = StepProfiler(args.profile, active=args.profile_steps, memory_snapshot=args.memory_snapshot,
+                                record_shapes=args.profile_shapes, with_stack=args.profile_stack,
+                                profile_memory=args.profile_memory, device=args.device)
         with profiler:
             completions, timings = engine.generate(prompts, params, seed=args.seed, on_step=profiler.step)
-        trace = profiler.trace_files()[-1]
+        trace = profiler.written[-1]
         profile = {"trace": str(trace), "summary": summarize_trace(trace)}
     stats, capture = engine.compile_stats, engine.capture_stats
     return {
@@ -173,6 +191,8 @@ def generate(args, tokenizer) -> dict:
         "profile": None if profile is None else {
             "trace": profile["trace"],
             "phase_shares": profile["summary"].shares(),
+            "decode_steps": profile["summary"].step_stats("decode").as_dict(),  # prefill steps apart
+            "prefill_steps": profile["summary"].step_stats("prefill").as_dict(),
             "top_cpu_ops": profile["summary"].cpu_ops[:10],
             "top_kernels": profile["summary"].kernels[:10],
             "report": profile["summary"].format(),
@@ -214,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compiled-attn: error: {err}", file=sys.stderr)
             return 2
         print(table)
+        return 0
+    if args.command == "profile-report":
+        try:
+            out = write_report(args.path, args.out, top=args.top, steps=args.timeline_steps)
+        except (ValueError, OSError) as err:
+            print(f"compiled-attn: error: {err}", file=sys.stderr)
+            return 2
+        print(f"report: {out}")
         return 0
     try:
         tokenizer = load_tokenizer(args.model)

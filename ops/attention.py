@@ -128,8 +128,8 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_size]`` float16, bfloat16 or float32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``,
-            query's dtype; ``num_heads % num_kv_heads == 0``; ``head_size`` a multiple of
-            8 up to 256.
+            query's dtype; ``num_heads % num_kv_heads == 0``; ``head_size`` any int
+            from 1 to 256 (as flash-attn).
         cu_seqlens_q: ``[num_seqs + 1]`` int32, cumulative query counts starting at 0.
         seq_lens: ``[num_seqs]`` int32, keys per sequence (context + new tokens).
         block_table: ``[num_seqs, max_blocks_per_seq]`` int32 block ids.

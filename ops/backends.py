@@ -3,11 +3,22 @@
 Each op keeps one contract (schema, fake, reference kernel on every device; see
 :mod:`.library`) and gets its ``CUDA`` kernel here: a launcher of
 :mod:`compiled_attn.ops.triton_kernels` that takes the schema's arguments as they are, so a
-call goes from the dispatcher straight to the launcher. Eager calls, ``torch.compile`` (the
-op stays opaque, its fake gives shapes) and CUDA-graph capture all see the same op; CPU
-tensors keep the reference. A ``triton_op`` would let Inductor see the Triton kernels, but
-with CPU tensors under ``TRITON_INTERPRET=1`` it fails inside ``torch.compile`` (fake
-tensors reach the interpreter), so the interpreter tests call the launchers directly.
+call goes from the dispatcher straight to the launcher. ``varlen_attention`` runs through
+flash-attn where a flash-attn library is importable and covers the call
+(:mod:`.flash_backend`), our Triton kernel otherwise. CPU tensors keep the reference.
+
+Under ``torch.compile``, the attention ops and ``fused_linear`` on CUDA tensors of static
+shapes are traced *through* their launcher, as ``torch.library.triton_op`` does
+(:func:`.library.register_traced_kernel`): the graph then holds the Triton kernels
+themselves (``wrap_triton``), launch plans are decided once at compile time, and Inductor
+launches the kernels from its generated code, without a dispatcher call or our Python
+launcher per call. With symbolic shapes (a dynamic batch, as :class:`compiled_attn.Engine`
+compiles), or a varlen call that flash-attn covers, the op stays opaque: its fake gives
+shapes and the kernel picks a plan per call from the real shapes. ``reshape_and_cache``
+stays opaque: it writes the KV cache in place, which a traced kernel would have to
+functionalize (a copy of the cache). Under ``TRITON_INTERPRET=1`` nothing is traced through
+(fake tensors cannot reach the interpreter), so the interpreter tests call the launchers
+directly.
 
 ``copy_blocks``, ``swap_blocks`` and the varlen backward keep the reference on every device:
 the first two are device-side indexing with exact gather-then-scatter semantics (a one-pass
@@ -27,17 +38,17 @@ from .linear import FUSED_LINEAR
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 if TRITON_AVAILABLE:
-    from . import triton_kernels
+    from . import flash_backend, triton_kernels
     from .triton_kernels import compiled_variants
 
     register_kernel(PAGED_ATTENTION, "CUDA", triton_kernels.paged_attention)
-    register_kernel(VARLEN_ATTENTION, "CUDA", triton_kernels.varlen_attention)
+    register_kernel(VARLEN_ATTENTION, "CUDA", flash_backend.varlen_attention)  # flash-attn where it covers
     register_kernel(RESHAPE_AND_CACHE, "CUDA", triton_kernels.reshape_and_cache)
     register_kernel(FUSED_LINEAR, "CUDA", triton_kernels.fused_linear)
-    for op, launcher in ((PAGED_ATTENTION, triton_kernels.paged_attention),
-                         (VARLEN_ATTENTION, triton_kernels.varlen_attention),
-                         (FUSED_LINEAR, triton_kernels.fused_linear)):
-        register_traced_kernel(op, launcher, triton_kernels.traced_launches)
+    register_traced_kernel(PAGED_ATTENTION, triton_kernels.paged_attention, triton_kernels.traced_launches)
+    register_traced_kernel(VARLEN_ATTENTION, triton_kernels.varlen_attention, triton_kernels.traced_launches,
+                           opaque=flash_backend.covers)
+    register_traced_kernel(FUSED_LINEAR, triton_kernels.fused_linear, triton_kernels.traced_launches)
 else:
     def compiled_variants() -> int:
         """No Triton, no compiled kernel variants (see ``triton_kernels.compiled_variants``)."""

@@ -55,16 +55,18 @@ def _static_cuda(args) -> bool:
 
 
 def register_traced_kernel(op: torch._ops.OpOverload, launcher: Callable,
-                           traced_launches: Callable[[], contextlib.AbstractContextManager]) -> None:
+                           traced_launches: Callable[[], contextlib.AbstractContextManager],
+                           opaque: Callable[..., bool] = lambda *args: False) -> None:
     """Let AOTAutograd trace ``launcher`` in place of ``op`` (as ``torch.library.triton_op``
     does) when every tensor argument is on CUDA with static shapes: the launches it records
     inside ``traced_launches()`` (``wrap_triton`` calls) replace the op in the graph that
-    Inductor compiles. Otherwise, and under ``torch.export`` (which keeps custom ops whole),
-    the op stays opaque."""
+    Inductor compiles. Otherwise, when ``opaque(*args)`` (the CUDA kernel would not launch
+    our Triton kernels), and under ``torch.export`` (which keeps custom ops whole), the op
+    stays opaque."""
     from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     def decompose(mode, func, types, args, kwargs):
-        if (custom_triton_ops_decomposition_disabled() or not _static_cuda(args)
+        if (custom_triton_ops_decomposition_disabled() or not _static_cuda(args) or opaque(*args)
                 or any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types)):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, traced_launches():

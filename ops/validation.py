@@ -35,10 +35,11 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
 
 
 def check_head_size(name: str, head_size: int) -> None:
-    if head_size % 8 != 0 or not 8 <= head_size <= MAX_HEAD_SIZE:
+    """Any head size from 1 to ``MAX_HEAD_SIZE``, as flash-attn (the kernels pad it)."""
+    if not 1 <= head_size <= MAX_HEAD_SIZE:
         raise ValueError(
-            f"{name}: head size {head_size} is not supported; allowed: multiples of 8 "
-            f"from 8 to {MAX_HEAD_SIZE} (as flash-attn)"
+            f"{name}: head size {head_size} is not supported; allowed: any int from 1 to "
+            f"{MAX_HEAD_SIZE} (as flash-attn)"
         )
 
 

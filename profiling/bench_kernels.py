@@ -5,7 +5,9 @@ copy), PyTorch SDPA (flash, cuDNN) and FlexAttention for prefill, our plain kern
 differential one, and the seed's formulations (vLLM 0.10's differential backend: four
 attention calls, concat, RMSNorm, scale). Decode runs are captured in a CUDA graph and
 replayed (``do_bench_cudagraph``), the rest timed eagerly (``do_bench``); medians. bf16,
-Hq 32, Hkv 8, D 128, block 16. Appends to ``profiling/results/kernels.md`` and
+Hq 32, Hkv 8, D 128, block 16. The ``flash`` part compares our varlen op, with its
+flash-attn backend, to flash-attn 4 called directly (run where ``flash_attn.cute`` imports:
+``profiling/gpu_suite.sh flash``). Appends to ``profiling/results/kernels.md`` and
 ``kernels.jsonl``.
 
     python profiling/bench_kernels.py [--results-dir profiling/results]
@@ -132,6 +134,63 @@ def prefill_rows() -> list[ResultRow]:
     return rows
 
 
+def flash_rows() -> list[ResultRow]:
+    """Our varlen op with the flash-attn backend against flash-attn 4 called directly (its
+    best formulation: plain; differential as two calls with V = [v1 | v2] or the seed's four
+    calls), against the backend's two-call formulation (what ``FLASH_DIFFERENTIAL`` would
+    pick) and against our own Triton kernel, at B=8 S=2048 and at 64 sequences of 128-4096
+    tokens (seeded), causal. Empty when ``flash_attn.cute`` is not importable."""
+    from compiled_attn import ops
+    from compiled_attn.ops import flash_backend
+
+    library = flash_backend.find_library()
+    if library is None or library.name != "flash-attn 4":
+        print(f"flash rows need flash-attn 4 (flash_attn.cute); found {library and library.name}")
+        return []
+    fa4 = library.varlen
+    g = torch.Generator().manual_seed(0)
+    batches = {"B=8 S=2048": [2048] * 8,
+               "64 seqs 128-4096": torch.randint(128, 4097, (64,), generator=g).tolist()}
+    rows = []
+    for case, lens in batches.items():
+        total = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(total, HQ, D, dtype=DTYPE, device="cuda")
+        k, v = (torch.randn(total, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
+        lam = torch.rand(HQ // 2, device="cuda")
+
+        def flash(q, k, v):
+            return fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0]
+
+        def two_calls():
+            values = torch.cat((v[:, 0::2], v[:, 1::2]), dim=-1)
+            return flash(q[:, 0::2], k[:, 0::2], values) - lam[:, None] * flash(q[:, 1::2], k[:, 1::2], values)
+
+        def four_calls():
+            outs = [flash(q[:, i::2], k[:, i::2], v[:, j::2]) for i in (0, 1) for j in (0, 1)]
+            return torch.cat(outs[:2], dim=-1) - lam[:, None] * torch.cat(outs[2:], dim=-1)
+
+        plain = {"flash-attn 4": _eager_ms(lambda: flash(q, k, v)),
+                 "ours Triton": _eager_ms(lambda: triton_kernels.varlen_attention(q, k, v, cu, cu)),
+                 "op": _eager_ms(lambda: ops.varlen_attention(q, k, v, cu, cu))}
+        diff = {"flash-attn 4 two calls": _eager_ms(two_calls), "flash-attn 4 four calls": _eager_ms(four_calls),
+                "ours Triton fused": _eager_ms(lambda: triton_kernels.varlen_attention(q, k, v, cu, cu, lam)),
+                "backend's two calls": _eager_ms(lambda: flash_backend.run(library, "differential", q, k, v, cu, cu,
+                                                                           lam, D ** -0.5, True, -1, -1, 0.0)),
+                "op": _eager_ms(lambda: ops.varlen_attention(q, k, v, cu, cu, lam))}
+        rows.append(ResultRow(f"prefill {case} plain: flash-attn 4 / our op (backend)", "ms", plain["flash-attn 4"],
+                              "op ms", plain["op"], ">= 0.97"))
+        rows.append(ResultRow(f"prefill {case} plain: our Triton / our op (backend)", "ms", plain["ours Triton"],
+                              "op ms", plain["op"]))
+        best = min(("flash-attn 4 two calls", "flash-attn 4 four calls"), key=diff.get)
+        rows.append(ResultRow(f"prefill {case} differential: {best} / our op (backend)", "ms", diff[best],
+                              "op ms", diff["op"], ">= 0.97"))
+        for name in ("flash-attn 4 four calls", "ours Triton fused", "backend's two calls"):
+            rows.append(ResultRow(f"prefill {case} differential: {name} / our op (backend)", "ms", diff[name],
+                                  "op ms", diff["op"]))
+    return rows
+
+
 def cache_rows(bandwidth: float) -> list[ResultRow]:
     rows = []
     for tokens in (16384, 65536):
@@ -152,13 +211,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
-                        choices=["decode", "prefill", "cache"])
+                        choices=["decode", "prefill", "cache", "flash"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
-             "cache": lambda: cache_rows(bandwidth)}
+             "cache": lambda: cache_rows(bandwidth), "flash": flash_rows}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))

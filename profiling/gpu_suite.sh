@@ -12,13 +12,16 @@
 #   bash profiling/gpu_suite.sh tests    # every GPU test (pytest -m gpu)
 #   bash profiling/gpu_suite.sh compile  # our kernels inside Inductor's code (tests/test_gpu_compile.py)
 #                                        # and the model decode step per runtime (bench_host.py --model)
+#   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh:
+#                                        # call 1 `bash .whl/fa4a/fa4_wheels.sh stage`, carry .whl/fa4a; this
+#                                        # call right after, carry .whl/fa4b): backend tests, bench_kernels flash
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
 #                                        # (warm-up seconds, Triton JIT compiles inside the run)
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|host}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -97,6 +100,17 @@ tests)
     echo "== summary"
     echo "pytest_gpu: $(tail -n 1 "$out/pytest_gpu.log")"
     grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
+    ;;
+flash)
+    mkdir -p "$out/results"
+    # shellcheck disable=SC1091
+    source "$repo/.whl/fa4b/fa4_wheels.sh" install || exit 1
+    run pytest_flash 240 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_flash_backend.py" \
+        "$repo/tests/test_flash_attn_interface.py" "$repo/tests/test_gpu_flash.py"
+    run bench_flash 300 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts flash
+    echo "== summary"
+    echo "pytest_flash: $(tail -n 1 "$out/pytest_flash.log")"
+    cat "$out/results/kernels.md"
     ;;
 compile)
     mkdir -p "$out/results"

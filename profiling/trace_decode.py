@@ -1,10 +1,13 @@
 """Record a profiler trace of graph-replayed (or eager) decode and summarize it.
 
-    python profiling/trace_decode.py --device cuda --out runs/trace --timeline trace.png
+    python profiling/trace_decode.py --device cuda --out runs/trace --timeline timeline.svg
 
-Writes the TensorBoard/Perfetto trace into ``--out``, prints the summary (top ops and
-kernels by self time, each phase's share of a step) and, with ``--timeline``, draws the
-phases, our ops and the device kernels of a few decode steps from the trace (matplotlib).
+Writes the TensorBoard/Perfetto/HTA trace into ``--out``, prints the summary (top ops and
+kernels by self time, each phase's share of a step, decode-step statistics) and the path of
+the offline HTML report beside the trace (``compiled-attn profile-report``); with
+``--timeline``, also draws the report's picture alone: the phases, our ops and the device
+kernels of the last few decode steps (``.svg``: as in the report; any other suffix, e.g.
+``.png``: with matplotlib, from the same lanes).
 """
 
 from __future__ import annotations
@@ -17,39 +20,38 @@ import torch
 from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
 from compiled_attn.models import build_random_model, default_config, load_diffllama
+from compiled_attn.profile_report import timeline_lanes, timeline_svg, write_report
 from compiled_attn.profiler import StepProfiler, load_trace, summarize_trace
 from compiled_attn.sampling import SamplingParams
 
 
-def plot_timeline(trace: Path, png: Path, steps: int = 3) -> None:
-    """Phases, ``compiled_attn`` ops and device kernels of the last ``steps`` profiled steps."""
+def draw_timeline(trace: Path, out: Path, steps: int = 3) -> None:
+    """The report's timeline of the last ``steps`` steps of ``trace`` as ``out``: an SVG file
+    for ``.svg``, else an image drawn with matplotlib (``pip install -e '.[profiling]'``)."""
+    events = load_trace(trace)
+    if out.suffix == ".svg":
+        # A standalone SVG file needs the namespace that inline HTML does without.
+        svg = timeline_svg(events, steps=steps)
+        out.write_text(svg.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1), encoding="utf-8")
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    events = load_trace(trace)
-    spans = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])[-steps:]
-    start, end = spans[0]["ts"], spans[-1]["ts"] + spans[-1]["dur"]
-    lanes = {
-        "steps": [e for e in spans],
-        "phases": [e for e in events if e.get("cat") == "user_annotation" and e["name"] in ("prefill", "decode_step", "replay")],
-        "our ops (CPU)": [e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("compiled_attn::")],
-        "kernels (GPU)": [e for e in events if e.get("cat") == "kernel"],
-    }
-    colors = {"reshape_and_cache": "tab:green", "merge": "tab:orange", "attention": "tab:red"}
-    fig, ax = plt.subplots(figsize=(12, 3.2))
-    for row, (lane, lane_events) in enumerate(lanes.items()):
-        shown = [e for e in lane_events if start <= e["ts"] <= end]
-        bars = [((e["ts"] - start) / 1e3, max(e["dur"] / 1e3, 1e-3)) for e in shown]
-        color = [next((c for k, c in colors.items() if k in e["name"]), "tab:blue") for e in shown]
-        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color or "tab:blue", edgecolor="none")
-    ax.set_yticks(range(len(lanes)), list(lanes))
+    start, end, lanes = timeline_lanes(events, steps)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.55 * len(lanes)))
+    for row, (_, shown) in enumerate(lanes):
+        bars = [((max(e["ts"], start) - start) / 1e3, max((min(e["ts"] + e["dur"], end) - max(e["ts"], start)) / 1e3, 1e-3))
+                for e, _ in shown]
+        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=[c for _, c in shown] or "none", edgecolor="none")
+    ax.set_yticks(range(len(lanes)), [lane for lane, _ in lanes])
     ax.invert_yaxis()
+    ax.set_xlim(0, (end - start) / 1e3)
     ax.set_xlabel("ms (red: attention, green: reshape_and_cache, orange: split-KV merge, blue: other)")
-    ax.set_title(f"{len(spans)} decode steps from {trace.name}")
+    ax.set_title(f"last {steps} steps of {trace.name}")
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(out, dpi=120)
 
 
 def main() -> None:
@@ -61,7 +63,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="decode steps to record")
     parser.add_argument("--out", type=Path, default=Path("runs/trace"))
-    parser.add_argument("--timeline", type=Path, help="draw a PNG timeline of the recorded steps")
+    parser.add_argument("--timeline", type=Path, help="draw the last recorded steps (.svg, or .png with matplotlib)")
+    parser.add_argument("--timeline-steps", type=int, default=3, help="steps drawn in the timeline")
+    parser.add_argument("--shapes", action="store_true", help="record input shapes")
+    parser.add_argument("--stack", action="store_true", help="record Python stacks")
     parser.add_argument("--memory-snapshot", type=Path)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -71,14 +76,16 @@ def main() -> None:
     engine = Engine(model, max_num_seqs=max(args.batch, 1))
     prompts = [[(7 * i + j) % 200 + 32 for j in range(32 + 8 * i)] for i in range(args.batch)]
     engine.generate(prompts, SamplingParams(max_new_tokens=4))  # compile and capture
-    profiler = StepProfiler(args.out, skip_first=1, active=args.steps, memory_snapshot=args.memory_snapshot)
+    profiler = StepProfiler(args.out, skip_first=1, active=args.steps, memory_snapshot=args.memory_snapshot,
+                            record_shapes=args.shapes, with_stack=args.stack, device=args.device)
     with profiler:
         engine.generate(prompts, SamplingParams(max_new_tokens=args.steps + 2), on_step=profiler.step)
-    trace = profiler.trace_files()[-1]
+    trace = profiler.written[-1]
     print(f"trace: {trace}")
     print(summarize_trace(trace).format())
+    print(f"report: {write_report(trace, steps=args.timeline_steps)}")
     if args.timeline:
-        plot_timeline(trace, args.timeline)
+        draw_timeline(trace, args.timeline, args.timeline_steps)
         print(f"timeline: {args.timeline}")
 
 

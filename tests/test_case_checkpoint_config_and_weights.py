@@ -144,14 +144,14 @@ OPTION_CASES = [
      "rope_scaling must be an object with a 'rope_type', or null, got 'linear' (str)"),
     ({"attention_dropout": "0"},
      "attention_dropout must be 0 (dropout > 0 is not supported for inference), got '0' (str)"),
-    ({"head_dim": 12},
-     "head_dim: head size 12 is not supported; allowed: multiples of 8 from 8 to 256 (as flash-attn)"),
+    ({"head_dim": 257},
+     "head_dim: head size 257 is not supported; allowed: any int from 1 to 256 (as flash-attn)"),
 ]
 
 
 @pytest.mark.parametrize("changes, message", OPTION_CASES,
                          ids=["rope_scaling-linear", "legacy-su", "longrope", "no-type", "not-object",
-                              "dropout-str", "head_dim-12"])
+                              "dropout-str", "head_dim-257"])
 def test_unsupported_or_malformed_options_exit_2(capsys, ckpt_copy, changes, message):
     set_config(ckpt_copy, **changes)
     assert_clean_error(capsys, ckpt_copy, f"{ckpt_copy / 'config.json'}: {message}")

@@ -1,8 +1,8 @@
 """The Triton CUDA kernels at real sizes, through the registered ops, and under CUDA graphs.
 
 Run on the H200 with ``pytest -m gpu`` (``profiling/gpu_suite.sh``). Real sizes (head sizes
-64/128/256, block sizes 16/32/64, contexts up to 32k) compare with
-``compiled_attn.ops.reference`` run in float64 on the GPU: that reference is itself checked
+64/128/256, and 72/111 that the kernels pad, block sizes 16/32/64, contexts up to 32k) compare
+with ``compiled_attn.ops.reference`` run in float64 on the GPU: that reference is itself checked
 against the float64 oracle of ``tests/oracle.py`` by ``test_ops_attention.py``, and the
 oracle's per-cell Python loops are too slow at these sizes (small shapes against the oracle
 itself run on the GPU from ``test_triton_interpret.py``). Every output is poisoned with NaN
@@ -123,6 +123,40 @@ def test_varlen_real_sizes(differential):
         out = torch.full(output_shape(q, differential), float("nan"), dtype=q.dtype, device="cuda")
         triton_kernels.varlen_attention(q, k, v, cu, cu, lam, causal=causal, out=out)
         assert_close_to_oracle(out, reference_varlen((q, k, v, cu, cu), lam, causal))
+
+
+ODD_MIXED = [(0, 100), (700, 17), (1023, 1), (4000, 3), pad(1), (50, 0)]
+ODD_DECODE = [(0, 1), (1000, 1), (4095, 1), pad(1), (2500, 1)]
+
+
+@pytest.mark.parametrize("head_size", [72, 111])
+def test_odd_head_sizes(head_size):
+    """Head sizes flash-attn accepts that are neither powers of two nor multiples of 8 (the
+    kernels pad them): paged prefill and split decode, plain and differential, varlen, and
+    ``reshape_and_cache``."""
+    g = torch.Generator().manual_seed(head_size)
+    lens = [300, 17, 1, 100]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    q = randn_nonzero((sum(lens), NUM_HEADS, head_size), torch.bfloat16, g).cuda()
+    k, v = (randn_nonzero((sum(lens), NUM_KV_HEADS, head_size), torch.bfloat16, g).cuda() for _ in range(2))
+    for differential in (False, True):
+        lam = make_lambda(NUM_HEADS, per_pair=True).cuda() if differential else None
+        for seqs in (ODD_MIXED, ODD_DECODE):
+            args, pad_rows = real_batch(tuple(seqs), head_size, 16, torch.bfloat16)
+            check_paged(args, pad_rows, lam)
+        query, _, _, _, seq_lens, block_table = args
+        assert launch_plan(query, NUM_KV_HEADS, seq_lens.shape[0], block_table.shape[1] * 16,
+                           differential).num_splits > 1
+        out = torch.full(output_shape(q, differential), float("nan"), dtype=q.dtype, device="cuda")
+        triton_kernels.varlen_attention(q, k, v, cu, cu, lam, out=out)
+        assert_close_to_oracle(out, reference_varlen((q, k, v, cu, cu), lam))
+    batch = make_paged_batch([(0, 5), (9, 3), pad(2)], num_heads=4, num_kv_heads=2, head_size=head_size,
+                             dtype=torch.bfloat16, seed=head_size)
+    key_cache, value_cache = (c.cuda() for c in batch.caches_before_write())
+    triton_kernels.reshape_and_cache(batch.key.cuda(), batch.value.cuda(), key_cache, value_cache,
+                                     batch.slot_mapping.cuda())
+    assert torch.equal(key_cache.cpu(), batch.key_cache)
+    assert torch.equal(value_cache.cpu(), batch.value_cache)
 
 
 # --- registration: the CUDA path of the ops is the Triton kernels --------------------------

@@ -346,7 +346,7 @@ def test_plain_attention_without_rope():
         ((HIDDEN, 3, 1, HEAD), r"num_heads=3"),  # odd num_heads
         ((HIDDEN, 6, 3, HEAD), r"num_kv_heads=3"),  # odd num_kv_heads
         ((HIDDEN, 4, 3, HEAD), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-        ((HIDDEN, 4, 2, 12), r"head_size.*12"),
+        ((HIDDEN, 4, 2, 257), r"head_size.*257"),
     ],
 )
 def test_differential_constructor_errors(args, match):
@@ -359,7 +359,7 @@ def test_differential_constructor_errors(args, match):
     [
         ((HIDDEN, 4, 3, HEAD), {}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
         ((HIDDEN, 4, 0, HEAD), {}, r"num_kv_heads \(0\)"),
-        ((HIDDEN, 4, 2, 12), {}, r"head_size.*12"),
+        ((HIDDEN, 4, 2, 257), {}, r"head_size.*257"),
         ((HIDDEN, 4, 2, 264), {}, r"head_size.*264"),
         ((HIDDEN, 4, 2, HEAD), {"sliding_window": 0}, r"sliding_window"),
     ],

@@ -416,6 +416,22 @@ def test_differential_varlen_gqa(heads, dtype, per_pair):
     _check_varlen(batch, "alibi", make_lambda(heads[0], per_pair, seed=3))
 
 
+# --- any head size from 1 to 256 (as flash-attn), not only multiples of 8 ----------------------
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("head_size", [1, 3, 72, 111, 256])
+def test_any_head_size(head_size, differential):
+    """Paged (padded rows, every option, GQA) and varlen cross-attention (float16)."""
+    lam = make_lambda(8, per_pair=True, seed=head_size) if differential else None
+    paged = make_paged_batch(MIXED_PADDED, block_size=16, num_heads=8, num_kv_heads=2, head_size=head_size,
+                             seed=_seed("head_size", head_size), unused_fill="nan")
+    out = _check_paged(paged, "all", lambda_full=lam)
+    assert out.shape[-1] == (2 * head_size if differential else head_size)
+    varlen = _varlen_batch("cross", 8, 2, head_size, torch.float16, _seed("vhead_size", head_size))
+    _check_varlen(varlen, "noncausal", lambda_full=lam)
+
+
 # --- degenerate batches and strided inputs ---------------------------------------------------
 
 

@@ -52,12 +52,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("head_size", [16, 72, 111])
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_varlen_gradients_match_naive_float64(case, differential):
+def test_varlen_gradients_match_naive_float64(case, differential, head_size):
     opts = CASES[case]
     batch = make_varlen_batch([5, 1, 9], [5, 3, 9] if not opts["causal"] else None,
-                              num_heads=4, num_kv_heads=2, head_size=16, seed=11)
+                              num_heads=4, num_kv_heads=2, head_size=head_size, seed=11)
     slopes = alibi_slopes(4) if opts["alibi"] else None
     lam = make_lambda(4, per_pair=True, seed=3) if differential else None
     leaves = [t.clone().requires_grad_() for t in (batch.q, batch.k, batch.v)]
@@ -71,7 +72,7 @@ def test_varlen_gradients_match_naive_float64(case, differential):
     ref_leaves = [t.detach().double().requires_grad_() for t in (batch.q, batch.k, batch.v)]
     ref_lam = None if lam is None else lam.detach().double().requires_grad_()
     ref = _naive(*ref_leaves, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), ref_lam,
-                 16 ** -0.5, opts["causal"], opts["window"], opts["softcap"],
+                 head_size ** -0.5, opts["causal"], opts["window"], opts["softcap"],
                  None if slopes is None else slopes.double())
     (ref * weights).sum().backward()
     pairs = list(zip(leaves, ref_leaves)) + ([(lam_leaf, ref_lam)] if differential else [])

@@ -26,11 +26,12 @@ def _cache(num_blocks, block_size, heads, head_size, dtype, g):
 # --- reshape_and_cache -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("head_size", [16, 72, 111])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_reshape_and_cache_writes_exact_slots_and_skips_pad(block_size, dtype):
+def test_reshape_and_cache_writes_exact_slots_and_skips_pad(block_size, dtype, head_size):
     g = torch.Generator().manual_seed(block_size)
-    num_blocks, heads, head_size = 6, 2, 16
+    num_blocks, heads = 6, 2
     key_cache = _cache(num_blocks, block_size, heads, head_size, dtype, g)
     value_cache = _cache(num_blocks, block_size, heads, head_size, dtype, g)
     k_before, v_before = key_cache.clone(), value_cache.clone()

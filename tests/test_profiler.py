@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
 from compiled_attn.cli import main
-from compiled_attn.profiler import StepProfiler, load_trace, summarize_trace
+from compiled_attn.profiler import (StepProfiler, StepStats, classify_steps, label_trace_steps, load_trace,
+                                    read_trace, summarize_trace, worker_name)
 
 
 def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
@@ -22,6 +25,11 @@ def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
         data = json.load(f)  # TensorBoard and Perfetto read this Chrome trace format
     names = {e.get("name") for e in data["traceEvents"]}
     assert {"prefill", "decode_step"} <= names
+    # A named worker (TensorBoard's worker list) and the rank HTA needs.
+    assert Path(trace).name.startswith("compiled-attn-cpu-rank0.")
+    assert data["distributedInfo"] == {"rank": 0, "world_size": 1}
+    assert data["compiled_attn"]["worker"] == "compiled-attn-cpu-rank0"
+    assert not any("Input Dims" in e.get("args", {}) for e in data["traceEvents"])  # no shapes unless asked
     assert {"compiled_attn::varlen_attention", "compiled_attn::paged_attention",
             "compiled_attn::reshape_and_cache"} <= names
     assert any(n.startswith("ProfilerStep#") for n in names)
@@ -68,3 +76,142 @@ def test_memory_snapshot_needs_cuda(tmp_path):
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="memory_snapshot needs CUDA"):
         StepProfiler(tmp_path, memory_snapshot=tmp_path / "snap.pickle")
+
+
+def _enclosing(events: list[dict], op: dict) -> list[dict]:
+    """The python_function spans around ``op`` (its stack), outermost first."""
+    return sorted((e for e in events if e.get("cat") == "python_function" and e["tid"] == op["tid"]
+                   and e["ts"] <= op["ts"] and op["ts"] + op["dur"] <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
+
+
+def test_profile_flags_record_shapes_stacks_and_memory_of_our_ops(tmp_path, capsys):
+    start = time.perf_counter()
+    trace_dir = tmp_path / "trace"
+    assert main(["generate", "--no-compile", "--json", "--max-new-tokens", "3", "--prompt-ids", "1,2,3",
+                 "--prompt-ids", "4,5", "--profile", str(trace_dir), "--profile-shapes", "--profile-stack",
+                 "--profile-memory"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    data = read_trace(result["profile"]["trace"])
+    assert (data["record_shapes"], data["with_stack"], data["profile_memory"]) == (1, 1, 1)
+    events = data["traceEvents"]
+    ours = [e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("compiled_attn::")]
+    assert {e["name"] for e in ours} >= {"compiled_attn::varlen_attention", "compiled_attn::paged_attention",
+                                         "compiled_attn::reshape_and_cache"}
+    for op in ours:  # input shapes: the query [T, Hq, D] first, for every call
+        dims = op["args"]["Input Dims"]
+        assert len(dims[0]) == 3 and all(d > 0 for d in dims[0]), (op["name"], dims)
+    paged = next(e for e in ours if e["name"] == "compiled_attn::paged_attention")
+    stack = [e["name"] for e in _enclosing(events, paged)]
+    assert any("compiled_attn/engine.py" in f and "step" in f for f in stack), stack
+    assert any("compiled_attn/layers/" in f for f in stack), stack  # the layer that called the op
+    assert any(e.get("name") == "[memory]" for e in events)
+    summary = summarize_trace(result["profile"]["trace"])
+    assert {name for name, *_ in summary.op_shapes} >= {"compiled_attn::paged_attention"}
+    assert summary.memory_peak_bytes.get("cpu", 0) > 0
+    assert time.perf_counter() - start < 20
+
+
+def test_prefill_and_decode_steps_are_accounted_apart(tmp_path, capsys):
+    trace_dir = tmp_path / "trace"
+    assert main(["generate", "--no-compile", "--json", "--max-new-tokens", "4", "--prompt-ids", "1,2,3",
+                 "--prompt-ids", "4,5", "--profile", str(trace_dir)]) == 0
+    result = json.loads(capsys.readouterr().out)["profile"]
+    events = load_trace(result["trace"])
+    kinds = classify_steps(events)
+    phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in ("prefill", "decode_step")]
+
+    def phases_in(step):
+        return {e["name"] for e in phases if step["ts"] <= e["ts"] < step["ts"] + step["dur"]}
+
+    # Only decode steps keep the profiler's name (TensorBoard's and HTA's steps); prefill is its own.
+    for step, kind in kinds:
+        assert step["name"].startswith({"decode": "ProfilerStep#", "prefill": "PrefillStep#",
+                                        "idle": "IdleStep#"}[kind]), (step["name"], kind)
+        if step["name"].startswith("ProfilerStep#"):
+            assert phases_in(step) == {"decode_step"}
+    assert [k for _, k in kinds].count("prefill") == 1 and kinds[0][0]["name"] == "PrefillStep#0"
+    decode = [step["dur"] for step, kind in kinds if kind == "decode"]
+    stats = result["decode_steps"]
+    assert stats["count"] == len(decode) >= 3
+    assert stats["mean_us"] == pytest.approx(sum(decode) / len(decode))
+    assert stats["max_us"] == pytest.approx(max(decode))
+    prefill = next(step["dur"] for step, kind in kinds if kind == "prefill")
+    assert result["prefill_steps"]["count"] == 1 and result["prefill_steps"]["total_us"] == pytest.approx(prefill)
+    assert label_trace_steps(result["trace"]) == {k: [x for _, x in kinds].count(k) for _, k in kinds}  # idempotent
+    assert [e["name"] for e, _ in classify_steps(load_trace(result["trace"]))] == [e["name"] for e, _ in kinds]
+
+
+def _step_trace(path: Path, durations: list[tuple[str | None, float]]) -> Path:
+    """A trace of ``ProfilerStep#i`` spans, each holding the given phase (or none)."""
+    events, ts = [], 0.0
+    for i, (phase, dur) in enumerate(durations):
+        events.append({"ph": "X", "name": f"ProfilerStep#{i}", "cat": "user_annotation", "ts": ts, "dur": dur,
+                       "pid": 1, "tid": 1})
+        if phase:
+            events.append({"ph": "X", "name": phase, "cat": "user_annotation", "ts": ts + 1, "dur": dur - 2,
+                           "pid": 1, "tid": 1})
+        ts += dur
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_decode_step_statistics_exclude_prefill_on_a_handmade_trace(tmp_path):
+    path = _step_trace(tmp_path / "t.pt.trace.json", [("prefill", 600.0), ("decode_step", 200.0),
+                       ("decode_step", 240.0), ("capture", 900.0), ("decode_step", 160.0), (None, 10.0)])
+    before = summarize_trace(path)
+    assert label_trace_steps(path) == {"prefill": 1, "decode": 3, "capture": 1, "idle": 1}
+    names = [e["name"] for e in load_trace(path) if e["name"].endswith(tuple(f"#{i}" for i in range(6)))]
+    assert names == ["PrefillStep#0", "ProfilerStep#1", "ProfilerStep#2", "CaptureStep#3", "ProfilerStep#4",
+                     "IdleStep#5"]
+    s = summarize_trace(path)
+    assert s.step_us_by_kind == before.step_us_by_kind  # the same before and after labelling
+    assert (s.steps, s.step_us) == (6, 2110.0)
+    assert s.step_stats("decode") == StepStats(3, 600.0, 200.0, 200.0, 240.0, 160.0, 240.0)
+    assert s.step_stats() == s.step_stats("decode")
+    assert s.step_stats("prefill").as_dict() == {"count": 1, "total_us": 600.0, "mean_us": 600.0,
+                                                  "median_us": 600.0, "p90_us": 600.0, "min_us": 600.0,
+                                                  "max_us": 600.0}
+    assert s.step_stats("capture").count == 1 and s.step_stats("idle").count == 1
+    assert "decode steps: 3, mean 0.200 ms" in s.format()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        s.step_stats("prefil")
+
+
+def test_worker_name_and_bad_devices(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert worker_name("cpu") == "compiled-attn-cpu-rank0"
+    assert worker_name("cuda:1", rank=3) == "compiled-attn-cuda1-rank3"
+    monkeypatch.setenv("RANK", "2")
+    assert worker_name("cpu") == "compiled-attn-cpu-rank2"  # torchrun's rank
+    with pytest.raises(ValueError, match="device: 'gpu'"):
+        worker_name("gpu")
+    with pytest.raises(TypeError, match="device must be"):
+        worker_name(0)
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        worker_name("cpu", rank=-1)
+    with pytest.raises(ValueError, match="device: 'gpu'"):
+        StepProfiler("unused", device="gpu")
+
+
+def test_every_json_file_in_a_profile_dir_has_a_unique_rank_for_hta(tmp_path, capsys):
+    """HTA maps each ``.json``/``.gz`` file in a trace directory to ``distributedInfo.rank``
+    and refuses a file without it; the report beside the trace is not one of them."""
+    trace_dir = tmp_path / "trace"
+    assert main(["generate", "--no-compile", "--json", "--max-new-tokens", "2", "--prompt-ids", "1,2",
+                 "--profile", str(trace_dir)]) == 0
+    capsys.readouterr()
+    assert main(["profile-report", str(trace_dir)]) == 0
+    files = [p for p in trace_dir.iterdir() if p.name.endswith((".json", ".gz"))]
+    assert len(files) == 1 and any(p.suffix == ".html" for p in trace_dir.iterdir())
+    rank = read_trace(files[0])["distributedInfo"]["rank"]
+    assert isinstance(rank, int) and rank >= 0
+
+
+def test_read_trace_rejects_what_is_not_a_trace(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a JSON trace"):
+        read_trace(bad)
+    bad.write_text(json.dumps({"events": []}))
+    with pytest.raises(ValueError, match="no traceEvents list"):
+        read_trace(bad)

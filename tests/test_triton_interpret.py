@@ -31,6 +31,7 @@ from paged_batches import (  # noqa: E402
 
 from compiled_attn.ops import triton_kernels  # noqa: E402
 from compiled_attn.ops.attention import output_shape  # noqa: E402
+from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
     MAX_SPLITS,
     choose_num_splits,
@@ -205,6 +206,40 @@ def test_differential_stacked_decode(dtype, num_heads, num_kv_heads, num_splits)
               window_size=(9, -1), softcap=3.0, alibi_slopes=alibi_slopes(num_heads))
 
 
+# Head sizes flash-attn accepts that are neither powers of two nor multiples of 8: the
+# launchers pad them to HEAD_SIZE_PAD (128, 128, 16, 16) and the kernels mask every dim past D.
+ODD_HEAD_SIZES = [72, 111, 3, 1]
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("head_size", ODD_HEAD_SIZES)
+def test_odd_head_size_paged(head_size, differential):
+    """Mixed prefill (GQA; differential: two online-softmax states) and decode with forced
+    splits, some empty (differential: stacked q1/q2 tiles, partials and merge of ``2D`` rows)."""
+    lam = make_lambda(8, per_pair=True) if differential else None
+    mixed = make_paged_batch([(0, 20), (13, 5), pad(1), (20, 1), (5, 0)], block_size=8, num_heads=8,
+                             num_kv_heads=2, head_size=head_size, seed=head_size, unused_fill="nan")
+    decode = make_paged_batch([(20, 1), (5, 1), pad(1), (0, 1)], block_size=8, num_heads=8, num_kv_heads=2,
+                              head_size=head_size, seed=head_size + 1, unused_fill="nan")
+    for batch, stacked in ((mixed, False), (decode, differential)):
+        plan = launch_plan(batch.query, 2, batch.num_seqs, batch.block_table.shape[1] * 8, differential)
+        assert plan.tiles.stacked == stacked
+    run_paged(mixed, lam)
+    run_paged(decode, lam, num_splits=3)
+    run_paged(decode, lam, num_splits=3, window_size=(6, -1), softcap=3.0, alibi_slopes=alibi_slopes(8))
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("head_size", ODD_HEAD_SIZES)
+def test_odd_head_size_varlen(head_size, differential):
+    """Varlen self- and cross-attention (a sequence with no keys) in float16."""
+    batch = make_varlen_batch([5, 9, 2], [9, 9, 0], num_heads=4, num_kv_heads=2, head_size=head_size,
+                              dtype=torch.float16, seed=head_size)
+    lam = make_lambda(4, per_pair=False) if differential else None
+    run_varlen(batch, lam)
+    run_varlen(batch, lam, causal=False, window_size=(4, 3))
+
+
 def test_stacking_is_for_decode_tiles_only():
     """Tiles stack q1 over q2 rows only when one component fills at most half of 16 rows."""
     def stacked(num_tokens, num_seqs, group_pad):
@@ -261,10 +296,11 @@ def test_varlen_matches_paged_cache_view():
     run_varlen(batch.to_varlen())
 
 
-def test_reshape_and_cache():
+@pytest.mark.parametrize("head_size", [24, *ODD_HEAD_SIZES])
+def test_reshape_and_cache(head_size):
     """New keys/values land in their slots; slot -1 (padded rows) writes nothing; every
     other cache element is untouched (bit-exact comparison of the whole caches)."""
-    batch = make_paged_batch(MIXED, block_size=8, num_heads=4, num_kv_heads=2, head_size=24,
+    batch = make_paged_batch(MIXED, block_size=8, num_heads=4, num_kv_heads=2, head_size=head_size,
                              dtype=torch.float16, seed=13)
     assert (batch.slot_mapping == -1).any()
     key_cache, value_cache = on_device(*batch.caches_before_write())

@@ -200,16 +200,26 @@ def test_paged_head_counts(tripwire, heads, differential):
     assert tripwire == []
 
 
-@pytest.mark.parametrize("head_size", [12, 264, 4, 0])
+@pytest.mark.parametrize("head_size", [0, 257, 264])
 def test_paged_unsupported_head_size(tripwire, head_size):
     g = torch.Generator().manual_seed(0)
     args = _paged()
     args["query"] = randn_nonzero((8, 4, head_size), torch.float32, g)
     args["key_cache"] = randn_nonzero((4, 16, 2, head_size), torch.float32, g)
     args["value_cache"] = args["key_cache"].clone()
-    with pytest.raises(ValueError, match=rf"head size {head_size} is not supported"):
+    message = f"query: head size {head_size} is not supported; allowed: any int from 1 to 256 (as flash-attn)"
+    with pytest.raises(ValueError) as info:
         paged_attention(**args)
+    assert str(info.value) == message
     assert tripwire == []
+
+
+@pytest.mark.parametrize("head_size", [1, 3, 12, 72, 111, 256])
+def test_any_head_size_from_1_to_256_is_accepted(head_size):
+    """As flash-attn: not only multiples of 8 (the kernels pad internally)."""
+    lam = torch.tensor(0.5)
+    assert paged_attention(**_paged(head_size=head_size), lambda_full=lam).shape[-1] == 2 * head_size
+    assert varlen_attention(**_varlen(head_size=head_size)).shape[-1] == head_size
 
 
 # --- varlen attention ---------------------------------------------------------------------------
@@ -248,9 +258,9 @@ def test_varlen_bad_input(tripwire, change, extra, exc, match):
     ((6, 4), 16, False, "num_heads"),
     ((6, 3), 16, True, "even number"),
     ((5, 1), 16, True, "even number"),
-    ((4, 2), 12, False, "head size 12"),
-    ((4, 2), 264, True, "head size 264"),
-], ids=["not_divisible", "diff_odd_kv_heads", "diff_odd_q_heads", "head_size_12", "head_size_264"])
+    ((4, 2), 0, False, "q: head size 0 is not supported"),
+    ((4, 2), 257, True, "q: head size 257 is not supported"),
+], ids=["not_divisible", "diff_odd_kv_heads", "diff_odd_q_heads", "head_size_0", "head_size_257"])
 def test_varlen_heads_and_head_size(tripwire, heads, head_size, differential, match):
     b = make_varlen_batch([3, 2], [4, 2], num_heads=heads[0], num_kv_heads=heads[1],
                           head_size=head_size, seed=1)

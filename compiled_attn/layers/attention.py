@@ -37,7 +37,7 @@ class Attention(nn.Module):
         hidden_size: model width.
         num_heads: query heads ``Hq``.
         num_kv_heads: key/value heads ``Hkv`` (``Hq % Hkv == 0``).
-        head_size: ``D`` (default ``hidden_size // num_heads``), multiple of 8 up to 256.
+        head_size: ``D`` (default ``hidden_size // num_heads``), from 1 to 256 (as flash-attn).
         rope_theta: RoPE base, or ``None`` for no rotary embedding.
         bias: bias on the Q/K/V/O projections.
         sliding_window: attend to at most this many most recent tokens (self included),

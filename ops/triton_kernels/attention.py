@@ -87,7 +87,7 @@ class LaunchPlan(NamedTuple):
     tiles: TileConfig
     num_splits: int
     group_pad: int  # query heads (pairs) per KV head (pair), padded to a power of two
-    head_size_pad: int
+    head_size_pad: int  # any head size (1 to 256) padded to a power of two >= 16 (tl.dot's K)
     num_kv_units: int  # KV heads (plain) or KV head pairs (differential): grid axis 1
 
 

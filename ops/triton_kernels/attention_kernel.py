@@ -25,6 +25,11 @@ these two bounds). Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap
 ``- slope * |p - j|`` (ALiBi). Rows that see no key produce zeros. Only key tiles at the
 edges of a query tile's visible range are masked; tiles that every row sees whole are not.
 
+Head sizes: any ``HEAD_SIZE`` from 1 to 256, as flash-attn. Tiles are ``HEAD_SIZE_PAD``
+(a power of two, at least 16: the smallest ``tl.dot`` K) wide per head; every load and
+store masks the dims at or past ``HEAD_SIZE`` (zeros in, nothing out), so callers pass
+unpadded tensors and the ``[v1 | v2]`` columns land at ``c`` and ``HEAD_SIZE + c``.
+
 Differential (Ye et al. 2024, arXiv 2410.05258, eq. 1): a program owns KV heads ``2u`` and
 ``2u + 1`` and query head pairs ``(2j, 2j + 1)``; it keeps two online-softmax states (``q1.k1``
 and ``q2.k2``) over the same K/V tiles, loaded once (``k1``, ``k2`` and the value pair as one

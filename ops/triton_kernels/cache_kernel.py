@@ -3,7 +3,8 @@
 Semantics of vLLM's ``reshape_and_cache_flash``: token ``t`` goes to block
 ``slot_mapping[t] // block_size``, offset ``slot_mapping[t] % block_size``; a slot of ``-1``
 (``PAD_SLOT_ID``, padded rows of a captured batch) is skipped. Grid ``(T, chunks of
-Hkv * D)``: shapes only.
+Hkv * D)``: shapes only. A token's ``[Hkv, D]`` is copied as one flat masked range, so any
+head size ``D`` works unpadded.
 """
 
 import torch

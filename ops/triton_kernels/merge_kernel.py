@@ -6,7 +6,9 @@ log-sum-exp ``lse_s`` over its share of the keys; the full row is
 "Flash-Decoding for long-context inference", 2023; the same rescaling as the online
 softmax). Splits that saw no key have ``lse_s = -inf`` and weigh nothing; a row no split
 saw is zeros. Differential rows merge the two components (query heads ``2j`` and
-``2j + 1``) separately, then combine ``o1 - lambda_j * o2`` in float32.
+``2j + 1``) separately, then combine ``o1 - lambda_j * o2`` in float32. A row of
+``VALUE_SIZE`` (``D`` or ``2D``, any ``D`` from 1 to 256) is read and written as
+``VALUE_SIZE_PAD`` (the next power of two) masked columns.
 """
 
 import triton

@@ -1,0 +1,157 @@
+"""flash-attn as a backend of the ``varlen_attention`` op on CUDA.
+
+When a flash-attn library is importable, the CUDA kernel of ``compiled_attn::varlen_attention``
+runs the prefills it covers through it, inside our op (our schema, our fake, so no graph
+break; the op stays opaque to ``torch.compile`` then), and everything else through our
+Triton kernel. Libraries, in order of preference (``COMPILED_ATTN_FLASH=0`` turns the
+backend off):
+
+========================  ==================================  ==================================
+library                   import                              covers
+========================  ==================================  ==================================
+flash-attn 4 (CuTe DSL)   ``flash_attn.cute``                 fp16/bf16, head sizes 8-256 (multiples
+                                                              of 8), value head size up to 256
+flash-attn 3 (Hopper)     ``flash_attn_interface``            the same, value head = head size
+flash-attn 2              ``flash_attn``                      the same, value head = head size
+========================  ==================================  ==================================
+
+All three take ``softmax_scale``, ``causal`` (bottom-right aligned), ``window_size`` and
+``softcap`` with our semantics; ALiBi and per-call scalars as a tensor (``scale_softcap``)
+stay on our kernel. Differential attention (interleaved head pairs, Ye et al. 2024) can run
+as **two** flash calls, ``attn(q1, k1, [v1 | v2])`` and ``attn(q2, k2, [v1 | v2])`` with a
+value head of ``2 * head_size`` (flash-attn 4, ``head_size <= 128``), combined as
+``out1 - lambda * out2`` in float32; the seed's four calls are never faster than our fused
+kernel and are not offered. Which one runs is :data:`FLASH_DIFFERENTIAL`, from
+``profiling/bench_kernels.py --parts flash`` (``profiling/results/kernels.md``): on the H200
+(bf16, causal, Hq 32, Hkv 8, D 128, 2026-11-30) plain prefill took 0.537 ms through the
+backend against 0.812 ms on our kernel (B=8, S=2048) and 6.32 ms against 9.11 ms (64
+sequences of 128-4096 tokens), flash-attn 4 alone 0.517 ms and 6.36 ms; differential prefill
+took 1.885 ms as two flash calls inside the op against 1.673 ms on our fused kernel (the
+pairs must be de-interleaved and [v1 | v2] concatenated first). Decode reads the paged cache
+through the ``paged_attention`` op, which stays on our kernels (they read the cache 2-11%
+faster than flash-attn 4's).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+FLASH_DIFFERENTIAL = False
+"""Whether covered differential prefills run as two flash calls (else our fused kernel):
+off, as measured (see the module docstring)."""
+
+
+class FlashLibrary(NamedTuple):
+    """An importable flash-attn and what it accepts."""
+
+    name: str
+    varlen: Callable  # its flash_attn_varlen_func
+    max_value_head_size: int  # largest value head size (head size of v may differ from q/k's up to this)
+    needs_max_seqlen: bool  # takes max_seqlen_q / max_seqlen_k as required host ints
+    none_for_unbounded: bool  # window_size uses None, not -1, for an unbounded side
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a broken install (missing CUDA libraries) is no backend
+        return None
+
+
+@functools.cache
+def find_library() -> FlashLibrary | None:
+    """The first importable flash-attn of the module docstring's table, or ``None`` (also
+    when ``COMPILED_ATTN_FLASH=0``)."""
+    if os.environ.get("COMPILED_ATTN_FLASH", "1") == "0":
+        return None
+    if (module := _import("flash_attn.cute")) is not None and hasattr(module, "flash_attn_varlen_func"):
+        return FlashLibrary("flash-attn 4", module.flash_attn_varlen_func, 256, False, True)
+    if (module := _import("flash_attn_interface")) is not None and hasattr(module, "flash_attn_varlen_func"):
+        return FlashLibrary("flash-attn 3", module.flash_attn_varlen_func, 0, True, False)
+    if (module := _import("flash_attn")) is not None and hasattr(module, "flash_attn_varlen_func"):
+        return FlashLibrary("flash-attn 2", module.flash_attn_varlen_func, 0, True, False)
+    return None
+
+
+def plan(library: FlashLibrary, q: Tensor, lambda_full: Tensor | None, alibi_slopes: Tensor | None,
+         scale_softcap: Tensor | None) -> str | None:
+    """``"plain"`` or ``"differential"`` (two calls) when ``library`` runs this varlen call
+    (``q`` ``[T, Hq, D]``; shapes and options only, no values), else ``None``."""
+    head_size = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or not 8 <= head_size <= 256:
+        return None
+    if alibi_slopes is not None or scale_softcap is not None:
+        return None
+    if lambda_full is None:
+        return "plain"
+    return "differential" if FLASH_DIFFERENTIAL and 2 * head_size <= library.max_value_head_size else None
+
+
+def _call(library: FlashLibrary, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+          window_left, window_right, softcap) -> Tensor:
+    if library.none_for_unbounded:
+        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+    else:
+        window = (window_left, window_right)
+    kwargs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=causal,
+                  window_size=window, softcap=softcap)
+    if library.needs_max_seqlen:
+        kwargs.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    out = library.varlen(q, k, v, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _max_seqlen(cu_seqlens: Tensor, total: int) -> int:
+    """The longest sequence (one device-to-host read), or ``total`` (a bound) while a CUDA
+    graph is being captured."""
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return total
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def run(library: FlashLibrary, formulation: str, q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
+        window_left, window_right, softcap) -> Tensor:
+    """The varlen op's result through ``library`` (see :func:`plan`): ``[T, Hq, D]``, or
+    ``[T, Hq/2, 2D]`` for ``"differential"``, q's dtype."""
+    max_q = _max_seqlen(cu_seqlens_q, q.shape[0]) if library.needs_max_seqlen else None
+    max_k = _max_seqlen(cu_seqlens_k, k.shape[0]) if library.needs_max_seqlen else None
+    options = (scale, causal, window_left, window_right, softcap)
+    if formulation == "plain":
+        return _call(library, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+    values = torch.cat((v[:, 0::2], v[:, 1::2]), dim=-1)  # [Tk, Hkv/2, 2D]: [v1 | v2] per KV pair
+    out1 = _call(library, q[:, 0::2], k[:, 0::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+    out2 = _call(library, q[:, 1::2], k[:, 1::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+    lam = lambda_full.float().reshape(1, -1, 1)  # [] or [Hq/2] -> per pair
+    return (out1.float() - lam * out2.float()).to(q.dtype)
+
+
+def covers(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
+           alibi_slopes, scale_softcap) -> bool:
+    """Whether the CUDA kernel of ``varlen_attention`` runs these schema arguments through
+    flash-attn (CUDA tensors, a library, a :func:`plan`)."""
+    library = find_library()
+    return (library is not None and q.is_cuda and q.shape[0] > 0
+            and plan(library, q, lambda_full, alibi_slopes, scale_softcap) is not None)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
+                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, scale_softcap=None) -> Tensor:
+    """The ``compiled_attn::varlen_attention`` op on CUDA: flash-attn where it
+    :func:`covers` the call, our Triton kernel otherwise (arguments as the op's schema)."""
+    from .triton_kernels import varlen_attention as triton_varlen
+
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
+            alibi_slopes, scale_softcap)
+    if not covers(*args):
+        return triton_varlen(*args)
+    library = find_library()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return run(library, plan(library, q, lambda_full, alibi_slopes, scale_softcap), q, k, v, cu_seqlens_q,
+               cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap)

@@ -1,0 +1,284 @@
+"""``compiled_attn.flash_attn_interface`` against flash-attn 2.x's documented semantics.
+
+Every output is compared with the float64 oracle of ``tests/oracle.py`` (written from the
+flash-attn conventions, independent of our ops), sequence by sequence; ``softmax_lse`` with
+a float64 log-sum-exp over the oracle's own visibility mask. Inputs are fresh random values,
+caches hold random garbage outside the keys a call may read, and GQA, ``seqlen_q !=
+seqlen_k``, windows, softcap and ALiBi are covered. Runs on the CPU (our ops' reference
+kernels) and, with ``pytest -m gpu``, on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oracle import assert_close_to_oracle, oracle_attention, visibility_mask
+from paged_batches import randn_nonzero
+
+from compiled_attn.flash_attn_interface import (
+    FlashAttnArgumentError,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+H, HKV, D = 4, 2, 32
+OPTIONS = {  # (causal, window_size, softcap, alibi)
+    "plain": (False, (-1, -1), 0.0, False),
+    "causal": (True, (-1, -1), 0.0, False),
+    "window": (False, (3, 1), 0.0, False),
+    "causal-window-softcap-alibi": (True, (4, -1), 2.0, True),
+}
+
+
+def rand(shape, g, device):
+    return randn_nonzero(shape, torch.float32, g).to(device)
+
+
+def slopes(device):
+    return torch.tensor([2.0 ** (-(i + 1)) for i in range(H)], device=device)
+
+
+def oracle_lse(q, k, scale, causal, window, softcap, alibi) -> torch.Tensor:
+    """float64 ``[H, q_len]`` log-sum-exp of one sequence; ``+inf`` for a row seeing no key."""
+    q, k = q.double().cpu(), k.double().cpu()
+    q_len, k_len = q.shape[0], k.shape[0]
+    mask = torch.tensor(visibility_mask(q_len, k_len, causal, window), dtype=torch.bool).view(q_len, k_len)
+    out = torch.empty(q.shape[1], q_len, dtype=torch.float64)
+    for h in range(q.shape[1]):
+        s = q[:, h] @ k[:, h // (q.shape[1] // k.shape[1])].T * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi is not None:
+            pos = torch.arange(q_len)[:, None] + k_len - q_len
+            s = s - float(alibi[h]) * (pos - torch.arange(k_len)).abs()
+        lse = torch.logsumexp(s.masked_fill(~mask, -math.inf), dim=-1)
+        out[h] = torch.where(torch.isneginf(lse), math.inf, lse)
+    return out
+
+
+def expected(q, k, v, causal, window, softcap, alibi):
+    return oracle_attention(q, k, v, D ** -0.5, causal, window, softcap, alibi)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_flash_attn_func_matches_oracle_with_lse(case, device):
+    causal, window, softcap, alibi = OPTIONS[case]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = rand((2, 5, H, D), g, device), rand((2, 9, HKV, D), g, device), rand((2, 9, HKV, D), g, device)
+    alibi_slopes = slopes(device) if alibi else None
+    out, lse, dmask = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (2, H, 5) and dmask is None
+    for b in range(2):
+        assert_close_to_oracle(out[b], expected(q[b], k[b], v[b], causal, window, softcap, alibi_slopes))
+        torch.testing.assert_close(lse[b].double().cpu(), oracle_lse(q[b], k[b], D ** -0.5, causal, window,
+                                                                     softcap, alibi_slopes), atol=1e-4, rtol=1e-5)
+    assert torch.equal(flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                       alibi_slopes=alibi_slopes), out)
+
+
+def test_packed_variants_equal_the_unpacked_call():
+    g = torch.Generator().manual_seed(2)
+    qkv = rand((2, 6, 3, H, D), g, "cpu")
+    q, k, v = qkv.unbind(2)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, causal=True), flash_attn_func(q, k, v, causal=True))
+    kv = rand((2, 8, 2, HKV, D), g, "cpu")
+    assert torch.equal(flash_attn_kvpacked_func(q, kv), flash_attn_func(q, *kv.unbind(2)))
+
+
+def test_flash_attn_func_gradients_match_float64():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (rand(shape, g, "cpu").double().float().requires_grad_() for shape in
+               ((2, 4, H, D), (2, 7, HKV, D), (2, 7, HKV, D)))
+    weight = rand((2, 4, H, D), g, "cpu")
+    grads = torch.autograd.grad((flash_attn_func(q, k, v, causal=True) * weight).sum(), (q, k, v))
+
+    def dense(q, k, v):  # float64 causal attention, bottom-right aligned, GQA by repetition
+        k, v = (t.repeat_interleave(H // HKV, dim=2) for t in (k, v))
+        s = torch.einsum("bihd,bjhd->bhij", q, k) * D ** -0.5
+        mask = torch.ones(4, 7, dtype=torch.bool).tril(7 - 4)
+        p = s.masked_fill(~mask, -math.inf).softmax(-1)
+        return torch.einsum("bhij,bjhd->bihd", p, v)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    exact = torch.autograd.grad((dense(q64, k64, v64) * weight.double()).sum(), (q64, k64, v64))
+    for got, want in zip(grads, exact):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def varlen_batch(g, device, q_lens=(1, 7, 3), k_lens=(4, 7, 10)):
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = rand((sum(q_lens), H, D), g, device)
+    k, v = rand((sum(k_lens), HKV, D), g, device), rand((sum(k_lens), HKV, D), g, device)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(OPTIONS))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_flash_attn_varlen_func_matches_oracle(case, paged, device):
+    causal, window, softcap, alibi = OPTIONS[case]
+    g = torch.Generator().manual_seed(4)
+    q, k, v, cu_q, cu_k = varlen_batch(g, device)
+    alibi_slopes = slopes(device) if alibi else None
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                  return_attn_probs=True)
+    if paged:  # the keys of each sequence in shuffled 4-token blocks of a cache holding garbage elsewhere
+        page, width = 4, 3
+        perm = torch.randperm(12, generator=g)
+        table = perm[:9].view(3, width).to(torch.int32).to(device)
+        k_cache, v_cache = rand((12, page, HKV, D), g, device), rand((12, page, HKV, D), g, device)
+        for b in range(3):
+            keys = range(int(cu_k[b]), int(cu_k[b + 1]))
+            for j, t in enumerate(keys):
+                k_cache[table[b, j // page], j % page] = k[t]
+                v_cache[table[b, j // page], j % page] = v[t]
+        out, lse, _ = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 7, 10, block_table=table, **kwargs)
+    else:
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, **kwargs)
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    for b in range(3):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        assert_close_to_oracle(out[qs], expected(q[qs], k[ks], v[ks], causal, window, softcap, alibi_slopes))
+        torch.testing.assert_close(lse[:, qs].double().cpu(), oracle_lse(q[qs], k[ks], D ** -0.5, causal, window,
+                                                                         softcap, alibi_slopes), atol=1e-4, rtol=1e-5)
+
+
+def kvcache_case(g, device, *, paged, batch_idx, leftpad, new):
+    """q, caches (garbage outside the keys), and per sequence the keys the call must see."""
+    batch, seqlen_q, rows, seqlen_cache = 3, 2, 4, 16
+    q = rand((batch, seqlen_q, H, D), g, device)
+    cache_seqlens = torch.tensor([5, 0, 11], dtype=torch.int32, device=device)
+    k_new = rand((batch, new, HKV, D), g, device) if new else None
+    v_new = rand((batch, new, HKV, D), g, device) if new else None
+    pad = torch.tensor([2, 0, 3], dtype=torch.int32, device=device) if leftpad else None
+    idx = torch.tensor([2, 0, 3], dtype=torch.int32, device=device) if batch_idx else None
+    if paged:
+        page, width = 4, 5
+        k_cache, v_cache = rand((16, page, HKV, D), g, device), rand((16, page, HKV, D), g, device)
+        table = torch.randperm(16, generator=g)[:15].view(batch, width).to(torch.int32).to(device)
+        dense_k = k_cache[table.long()].flatten(1, 2)  # [B, width * page, ...] views by position
+        dense_v = v_cache[table.long()].flatten(1, 2)
+    else:
+        table = None
+        k_cache, v_cache = rand((rows, seqlen_cache, HKV, D), g, device), rand((rows, seqlen_cache, HKV, D), g, device)
+        rows_of = idx.long() if batch_idx else torch.arange(batch, device=device)
+        dense_k, dense_v = k_cache[rows_of], v_cache[rows_of]
+    seen = []
+    for b in range(batch):
+        end = int(cache_seqlens[b])
+        keys, values = dense_k[b, :end], dense_v[b, :end]
+        if new:
+            keys, values = torch.cat([keys, k_new[b]]), torch.cat([values, v_new[b]])
+        start = int(pad[b]) if leftpad else 0
+        seen.append((keys[start:], values[start:]))
+    call = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens,
+                cache_batch_idx=idx, cache_leftpad=pad, block_table=table)
+    return call, seen
+
+
+KVCACHE_LAYOUTS = {
+    "dense": dict(paged=False, batch_idx=False, leftpad=False),
+    "batch_idx": dict(paged=False, batch_idx=True, leftpad=False),
+    "leftpad": dict(paged=False, batch_idx=True, leftpad=True),
+    "paged": dict(paged=True, batch_idx=False, leftpad=False),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("new", [0, 3], ids=["no-new", "append-3"])
+@pytest.mark.parametrize("layout", list(KVCACHE_LAYOUTS))
+@pytest.mark.parametrize("case", ["causal", "causal-window-softcap-alibi", "plain"])
+def test_flash_attn_with_kvcache_matches_oracle_and_appends(case, layout, new, device):
+    causal, window, softcap, alibi = OPTIONS[case]
+    g = torch.Generator().manual_seed(5)
+    call, seen = kvcache_case(g, device, new=new, **KVCACHE_LAYOUTS[layout])
+    before_k = call["k_cache"].clone()
+    alibi_slopes = slopes(device) if alibi else None
+    out, lse = flash_attn_with_kvcache(**call, causal=causal, window_size=window, softcap=softcap,
+                                       alibi_slopes=alibi_slopes, return_softmax_lse=True)
+    assert out.shape == call["q"].shape and lse.shape == (3, H, 2)
+    for b, (keys, values) in enumerate(seen):
+        assert_close_to_oracle(out[b], expected(call["q"][b], keys, values, causal, window, softcap, alibi_slopes))
+        torch.testing.assert_close(lse[b].double().cpu(), oracle_lse(call["q"][b], keys, D ** -0.5, causal, window,
+                                                                     softcap, alibi_slopes), atol=1e-4, rtol=1e-5)
+    written = (call["k_cache"] != before_k).any(-1).any(-1)  # [blocks or rows, positions] changed
+    assert int(written.sum()) == 3 * new  # exactly the new keys, nowhere else
+
+
+def test_kvcache_append_lands_at_cache_seqlens():
+    """The appended keys are in the cache afterwards, where the next call reads them."""
+    g = torch.Generator().manual_seed(6)
+    k_cache, v_cache = rand((2, 8, HKV, D), g, "cpu"), rand((2, 8, HKV, D), g, "cpu")
+    k, v = rand((2, 1, HKV, D), g, "cpu"), rand((2, 1, HKV, D), g, "cpu")
+    q = rand((2, 1, H, D), g, "cpu")
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([3, 6], dtype=torch.int32))
+    assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(k_cache[1, 6], k[1, 0])
+    assert torch.equal(v_cache[0, 3], v[0, 0]) and torch.equal(v_cache[1, 6], v[1, 0])
+
+
+def test_errors_are_flash_attns():
+    g = torch.Generator().manual_seed(7)
+    q, k, v, cu_q, cu_k = varlen_batch(g, "cpu")
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, dropout_p=0.1)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q"):
+        flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 7, 10)
+    with pytest.raises(RuntimeError, match="must divide"):
+        flash_attn_varlen_func(q[:, :3], k, v, cu_q, cu_k, 7, 10)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        flash_attn_varlen_func(q.half(), k, v, cu_q, cu_k, 7, 10)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, alibi_slopes=torch.ones(3, H))
+    call, _ = kvcache_case(g, "cpu", paged=True, batch_idx=False, leftpad=False, new=0)
+    with pytest.raises(RuntimeError, match="block table"):  # 11 + 10 keys > 5 blocks of 4
+        flash_attn_with_kvcache(**{**call, "cache_seqlens": call["cache_seqlens"] + 10})
+    with pytest.raises(RuntimeError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(**{**call, "cache_batch_idx": torch.zeros(3, dtype=torch.int32)})
+    with pytest.raises(NotImplementedError, match="rotary"):
+        flash_attn_with_kvcache(**call, rotary_cos=torch.ones(8, D // 2), rotary_sin=torch.ones(8, D // 2))
+    # our ops' own checks surface with flash-attn's exception type too
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(**{**call, "block_table": call["block_table"] + 100})
+    assert issubclass(FlashAttnArgumentError, ValueError) and issubclass(FlashAttnArgumentError, TypeError)
+
+
+def test_compiled_decode_loop_has_no_graph_break_and_matches_eager():
+    """A decode loop written against the API compiles with ``fullgraph=True``, once."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(8)
+    caches = [rand((8, 4, HKV, D), g, "cpu") for _ in range(2)]
+    table = torch.randperm(8, generator=g)[:6].view(2, 3).to(torch.int32)
+    steps = [(rand((2, 1, H, D), g, "cpu"), rand((2, 1, HKV, D), g, "cpu"), rand((2, 1, HKV, D), g, "cpu"))
+             for _ in range(4)]
+
+    def step(q, k, v, k_cache, v_cache, cache_seqlens):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=table,
+                                       causal=True)
+
+    def run(fn):
+        k_cache, v_cache = (c.clone() for c in caches)
+        outs = []
+        for i, (q, k, v) in enumerate(steps):
+            outs.append(fn(q, k, v, k_cache, v_cache, torch.tensor([5 + i, 2 + i], dtype=torch.int32)))
+        return outs, k_cache
+
+    eager, eager_cache = run(step)
+    torch._dynamo.reset()
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    compiled, compiled_cache = run(torch.compile(step, fullgraph=True))
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(compiled_cache, eager_cache)
