@@ -7,7 +7,7 @@ Examples::
     compiled-attn generate                              # embedded default model, CPU
     compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
     compiled-attn generate --device cuda --profile runs/trace --profile-shapes --profile-stack
-    compiled-attn profile-report runs/trace                # runs/trace/<worker>.<ns>.report.html
+    compiled-attn profile-report runs/trace             # runs/trace/<worker>.<ns>.report.html
     compiled-attn bench --batch-sizes 1 64
 """
 

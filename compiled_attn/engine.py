@@ -1,12 +1,13 @@
 """The serving loop: continuous batching over a paged KV cache.
 
 Requests arrive (:meth:`Engine.add_request`) and finish at different times. Each
-:meth:`Engine.step` either prefills the requests admitted this step (one varlen batch,
-run by the compiled model without graphs) or advances every running request by one token
-(a decode step: a CUDA-graph replay when graphs are on and the batch fits the largest
-capture size, the compiled model otherwise). Admission reserves the blocks a request can
-ever need (prompt + ``max_new_tokens``), so a running request never runs out of cache;
-requests that do not fit yet wait. Finished requests free their blocks at once.
+:meth:`Engine.step` asks the :class:`~compiled_attn.scheduler.Scheduler` what runs (prefill
+chunks and decode rows within a token budget, blocks allocated as sequences grow,
+preemption when the cache runs out, prefix-cache hits) and has the
+:class:`~compiled_attn.model_runner.ModelRunner` run it: a step with any prefill chunk is one
+mixed forward over the paged cache; a step that advances every running request by one token
+is a decode step (a CUDA-graph replay when graphs are on and the batch fits the largest
+capture size, the compiled model otherwise). Finished requests free their blocks at once.
 
 Decode tokens are read one step late (``async_decode``, vLLM's "async scheduling"): a decode
 step is left in flight, its tokens on their way to pinned host memory, and when the next
@@ -22,22 +23,23 @@ import itertools
 import math
 import operator
 import time
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
 
 from .compile import CompiledFunction, CompileStats
-from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, DecodeRow, decode_step, default_capture_sizes
+from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError
 from .layers import Attention, DifferentialAttention
-from .metadata import SequenceChunk, build_metadata
+from .model_runner import InflightStep, ModelRunner
 from .ops.backends import TRITON_AVAILABLE
 from .sampling import SamplingParams, check_seed, sample
+from .scheduler import Chunk, Request, Scheduler
 
+__all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings", "engine_mode"]
 
 DEFAULT_CACHE_TOKENS = 65536
 """Cap of the default KV-cache size, in tokens."""
@@ -59,74 +61,6 @@ def engine_mode():
     """
     with torch.inference_mode(False), torch.no_grad():
         yield
-
-
-@dataclass
-class Request:
-    """One generation request and its result so far.
-
-    Attributes:
-        request_id: engine-wide id (also its sequence id in the block allocator).
-        prompt_ids: the prompt token ids.
-        params: its sampling parameters.
-        seed: the seed its random draws are keyed by.
-        output_ids: generated token ids (EOS included when it ended the sequence).
-        finish_reason: ``None`` while running, then ``"length"`` or ``"eos"``.
-    """
-
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def decode_row(self, block_table: Sequence[int]) -> DecodeRow:
-        return DecodeRow(self.output_ids[-1], self.num_tokens - 1, block_table,
-                         self.params.temperature, self.params.top_p, self.seed)
-
-
-@dataclass
-class InflightStep:
-    """A launched decode step whose tokens the host has not read yet.
-
-    Attributes:
-        requests: the requests of its rows, in row order.
-        tokens: its sampled tokens ``[rows]`` on the host: pinned memory that a
-            non-blocking device-to-host copy fills (CUDA), or the tokens themselves (CPU).
-        event: recorded on the stream after that copy; ``None`` on the CPU, where the
-            tokens are ready at once.
-    """
-
-    requests: list[Request]
-    tokens: torch.Tensor
-    event: torch.cuda.Event | None
-
-    @classmethod
-    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> "InflightStep":
-        """Start copying the just-launched step's ``tokens`` to the host.
-
-        The copy is enqueued on the stream behind the step and ahead of the next one, so it
-        reads the step's tokens even when ``tokens`` is a graph's static output that the next
-        replay overwrites: no device-side copy is needed.
-        """
-        if not tokens.is_cuda:
-            return cls(requests, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(requests, host, event)
-
-    def read(self) -> list[int]:
-        """The tokens, once the copy (and so the step) has finished on the device."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens.tolist()
 
 
 @dataclass
@@ -168,7 +102,12 @@ class Engine:
         num_blocks: cache blocks; default enough for 8 sequences of ``max_model_len``, at
             most ``DEFAULT_CACHE_TOKENS`` tokens (a long-context checkpoint would otherwise
             ask for a huge cache).
-        max_num_seqs: most requests decoding at once (also the largest capture size).
+        max_num_seqs: most requests running at once (also the largest capture size).
+        max_num_batched_tokens: most tokens computed in one step (prefill chunks plus decode
+            rows); a longer prompt is prefilled in chunks over several steps, beside the
+            decode rows (chunked prefill). ``None``: no limit.
+        enable_prefix_caching: reuse the cached blocks of a prompt's longest cached prefix
+            (automatic prefix caching); outputs are the same with it off.
         compile: run the forward and the sampler through
             :class:`~compiled_attn.compile.CompiledFunction` (counted in ``compile_stats``).
         compile_kwargs: extra ``torch.compile`` arguments.
@@ -182,11 +121,13 @@ class Engine:
             Inductor, Triton) and graph capture happen before the first request.
 
     Raises:
-        ValueError: bad sizes, CUDA graphs asked for a CPU model.
+        ValueError: bad sizes (``max_num_batched_tokens`` below ``block_size``), CUDA graphs
+            asked for a CPU model.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  compile: bool = True, compile_kwargs: dict | None = None,
                  cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
                  async_decode: bool = True, warmup: bool = True) -> None:
@@ -194,10 +135,18 @@ class Engine:
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
-        for name, value in (("max_model_len", self.max_model_len), ("block_size", block_size),
-                            ("max_num_seqs", max_num_seqs), ("num_blocks", 1 if num_blocks is None else num_blocks)):
+        sizes = {"max_model_len": self.max_model_len, "block_size": block_size, "max_num_seqs": max_num_seqs,
+                 "num_blocks": 1 if num_blocks is None else num_blocks}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_num_batched_tokens is not None and (
+                isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
+                or max_num_batched_tokens < block_size):
+            raise ValueError(f"max_num_batched_tokens must be None or an int >= block_size ({block_size}), "
+                             f"got {max_num_batched_tokens!r}")
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
@@ -207,25 +156,22 @@ class Engine:
         with engine_mode():  # never inference tensors: the steps write them in place
             self.kv_cache = KVCache.allocate(
                 model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
-                config.head_dim, self.dtype, self.device,
+                config.head_dim, self.dtype, self.device, prefix_caching=enable_prefix_caching,
             )
-            self.buffers = DecodeBuffers(max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
+            self.compile_stats = CompileStats() if compile else None
+            forward = CompiledFunction(model, self.compile_stats, **(compile_kwargs or {})) if compile else model
+            # Compiled, the sampler's ~60 small elementwise ops (hash noise, softmax, top-p) fuse
+            # into a few kernels, which matters inside a replayed decode step.
+            sampler = CompiledFunction(sample, self.compile_stats) if compile else sample
+            capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs)) if self.cuda_graphs else None
+            self.runner = ModelRunner(forward, sampler, self.kv_cache, max_num_seqs, self.max_blocks_per_seq,
+                                      capture_sizes)
+        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = config.eos_token_ids
         self.max_num_seqs = max_num_seqs
-        self.compile_stats = CompileStats() if compile else None
-        self.forward = CompiledFunction(model, self.compile_stats, **(compile_kwargs or {})) if compile else model
-        # Compiled, the sampler's ~60 small elementwise ops (hash noise, softmax, top-p) fuse
-        # into a few kernels, which matters inside a replayed decode step.
-        self.sampler = CompiledFunction(sample, self.compile_stats) if compile else sample
-        self.capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs))
-        self.graph_runner: CUDAGraphRunner | None = None
-        self.capture_stats: CaptureStats | None = None
         self.async_decode = async_decode
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.timings = Timings()
         self._ids = itertools.count()
-        self._decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in buffers
         self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
@@ -233,7 +179,7 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                     seed: int | None = None, name: str = "prompt_ids") -> Request:
-        """Queue a request; it is prefilled by a later :meth:`step`.
+        """Queue a request; a later :meth:`step` admits it.
 
         Args:
             prompt_ids: the prompt's token ids.
@@ -265,7 +211,7 @@ class Engine:
                 f"{need} blocks of {allocator.block_size}, the cache has "
                 f"only {allocator.num_blocks} in all; raise num_blocks or lower max_new_tokens"
             )
-        self.waiting.append(request)
+        self.scheduler.add(request)
         return request
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams, name: str) -> None:
@@ -283,31 +229,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether a :meth:`step` has work left: waiting or running requests, or a decode
         step in flight (whose tokens may still finish requests or have to be dropped)."""
-        return bool(self.waiting or self.running) or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def _blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Blocks a request can ever hold: prompt + max_new_tokens (+1 for the advance)."""
+        """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance)."""
         tokens = min(prompt_len + max_new_tokens + 1, self.max_model_len)
         return -(-tokens // self.kv_cache.block_size)
-
-    def _num_admissible(self) -> int:
-        """How many requests at the front of the queue fit now, beside the blocks the running
-        ones may still claim and within ``max_num_seqs``."""
-        allocator = self.kv_cache.allocator
-        outstanding = sum(self._blocks_reserved(len(r.prompt_ids), r.params.max_new_tokens)
-                          - len(allocator.block_tables.get(r.request_id, ())) for r in self.running)
-        free = allocator.num_free_blocks - outstanding
-        count = 0
-        for request in self.waiting:
-            need = self._blocks_reserved(len(request.prompt_ids), request.params.max_new_tokens)
-            if len(self.running) + count >= self.max_num_seqs or need > free:
-                break
-            free -= need
-            count += 1
-        return count
-
-    def _admit(self) -> list[Request]:
-        return [self.waiting.popleft() for _ in range(self._num_admissible())]
 
     # --- steps ------------------------------------------------------------------------
 
@@ -323,39 +250,53 @@ class Engine:
         are read by the next call. That call, when it would run a decode over the same rows
         anyway (:meth:`_can_overlap`), launches it first and then reads the in-flight step's
         tokens, so the host works while the device runs. Otherwise it drains the in-flight
-        step first (reads, appends, finishes), then prefills the admitted requests or
-        launches a decode step as a synchronous engine would. A request may thus have one
+        step first (reads, appends, finishes), then runs what the scheduler picks: a mixed
+        step when it holds a prefill chunk, else a decode step. A request may thus have one
         token too many sampled (past an EOS that was not read yet); :meth:`_drain` drops it,
         so every output equals a synchronous engine's.
         """
+        running = self.scheduler.running
         if self._can_overlap():
             with self._decode_phase():
-                launched = self._launch_decode(ahead=1)
+                launched = self.runner.launch_decode(list(running), 1, self.max_model_len)
+                self.timings.decode_steps += 1
                 finished = self._drain()
                 self._inflight = launched
             self.timings.overlapped_steps += 1
             return finished
-        finished = []
-        if self._inflight is not None:
-            with self._decode_phase():
-                finished = self._drain()
-        admitted = self._admit()
-        if admitted:
-            start = time.perf_counter()
-            with record_function("prefill"):
-                tokens = self._prefill(admitted)
-            self.running.extend(admitted)
-            finished += self._finish([r for r, t in zip(admitted, tokens) if self._append(r, t)])
-            self.timings.prefill_tokens += sum(len(r.prompt_ids) for r in admitted)
-            self.timings.prefill_seconds += time.perf_counter() - start
-        elif self.running:
-            if self.cuda_graphs and self.graph_runner is None:
+        finished = self._drain() if self._inflight is not None else []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return finished
+        if len(chunks) == len(running) and all(c.num_tokens == 1 and c.request.decoding for c in chunks):
+            if self.cuda_graphs and self.runner.graph_runner is None:
                 self.capture()
             with self._decode_phase():
-                self._inflight = self._launch_decode(ahead=0)
+                self._inflight = self.runner.launch_decode(list(running), 0, self.max_model_len)
+                self.timings.decode_steps += 1
                 if not self.async_decode:
                     finished += self._drain()
+        else:
+            finished += self._run_chunks(chunks)
         return finished
+
+    def _run_chunks(self, chunks: list[Chunk]) -> list[Request]:
+        """A mixed step (prefill chunks and decode rows); returns the requests it finished."""
+        start = time.perf_counter()
+        with record_function("prefill"):
+            tokens = self.runner.run_chunks(chunks)
+        finished = []
+        for chunk, token in zip(chunks, tokens):
+            completes, decode_row = chunk.completes, chunk.request.decoding
+            self.scheduler.computed(chunk.request, chunk.num_tokens)
+            if decode_row:
+                self.timings.decode_tokens += 1
+            else:
+                self.timings.prefill_tokens += chunk.num_tokens
+            if completes and self._append(chunk.request, token):
+                finished.append(chunk.request)
+        self.timings.prefill_seconds += time.perf_counter() - start
+        return self._finish(finished)
 
     def _can_overlap(self) -> bool:
         """Whether the next decode step can be launched before the in-flight step's tokens
@@ -365,14 +306,19 @@ class Engine:
         That holds when the in-flight step's rows are still exactly the running requests
         (so the buffers it advanced on the device are the next step's inputs, and no row
         needs rewriting from the host), no waiting request can be admitted (no prefill comes
-        first), and no row reaches ``max_new_tokens`` with the in-flight token (it would
-        leave the batch). Only an EOS among the in-flight tokens is unknown; see :meth:`step`.
+        first), no row reaches ``max_new_tokens`` with the in-flight token (it would leave
+        the batch), the budget holds every row, and the cache has the blocks the step needs
+        without preempting. Only an EOS among the in-flight tokens is unknown; see :meth:`step`.
         """
-        inflight = self._inflight
+        inflight, running, allocator = self._inflight, self.scheduler.running, self.kv_cache.allocator
+        budget = self.scheduler.max_num_batched_tokens
         return (self.async_decode and inflight is not None
-                and [r.request_id for r in inflight.requests] == [r.request_id for r in self.running]
-                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in self.running)
-                and self._num_admissible() == 0)
+                and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
+                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)
+                and (budget is None or len(running) <= budget)
+                and not self.scheduler.can_admit()
+                and sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len))
+                        for r in running) <= allocator.num_free_blocks)
 
     @contextmanager
     def _decode_phase(self):
@@ -394,6 +340,7 @@ class Engine:
         for request, token in zip(inflight.requests, inflight.read()):
             if request.finish_reason is None:
                 self.timings.decode_tokens += 1
+                self.scheduler.computed(request, request.num_tokens - request.num_computed)
                 if self._append(request, token):
                     finished.append(request)
         return self._finish(finished)
@@ -403,88 +350,24 @@ class Engine:
 
         A decode step still in flight may write the K/V of a request finished here (the
         step sampling past its EOS). Freeing its blocks now is safe only because all the
-        engine's device work (prefill, decode steps and replays, block-table and buffer
-        writes) is enqueued on one stream, in order: whatever reuses these blocks is
-        enqueued later, so it runs after that step.
+        engine's device work (steps, replays, block-table and buffer writes) is enqueued on
+        one stream, in order: whatever reuses these blocks is enqueued later, so it runs
+        after that step.
         """
         for r in finished:
-            self.running.remove(r)
-            self.kv_cache.allocator.free(r.request_id)
+            self.scheduler.finish(r)
         return finished
 
-    def _prefill(self, requests: list[Request]) -> list[int]:
-        allocator = self.kv_cache.allocator
-        chunks = [SequenceChunk(r.prompt_ids, 0, allocator.allocate(r.request_id, len(r.prompt_ids)))
-                  for r in requests]
-        md = build_metadata(chunks, self.kv_cache.block_size, self.max_blocks_per_seq, self.device,
-                            allocator.num_blocks)
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        # In engine_mode (step's): metadata and sampler inputs are the tensors of every step.
-        logits = self.forward(md, self.kv_cache.layers)
-        tokens = self.sampler(
-            logits,
-            column([r.params.temperature for r in requests], torch.float32),
-            column([r.params.top_p for r in requests], torch.float32),
-            column([r.seed for r in requests], torch.int64),
-            column([len(r.prompt_ids) for r in requests], torch.int64),
-        )
-        return tokens.tolist()
-
-    def _launch_decode(self, ahead: int) -> InflightStep:
-        """Launch one decode step (one token for every running request) through the static
-        decode buffers; returns it in flight.
-
-        ``ahead`` is how many tokens the device is past the host's ``output_ids`` (1 while
-        a step is in flight: its advance already moved the buffers), so this step feeds
-        position ``num_tokens - 1 + ahead`` and its advance addresses the one after.
-        """
-        requests = list(self.running)
-        allocator = self.kv_cache.allocator
-        rows = len(requests)
-        size = self._graph_size(rows)
-        layout = (tuple(r.request_id for r in requests), size or rows)
-        new_blocks = []
-        # Room for the token in flight, this one and the advance's next slot: within the
-        # request's reservation, as an overlapped step never runs past max_new_tokens.
-        for row, r in enumerate(requests):
-            table = allocator.block_tables[r.request_id]
-            before = len(table)
-            allocator.allocate(r.request_id, min(r.num_tokens + ahead + 1, self.max_model_len))
-            new_blocks += [(row, i, table[i]) for i in range(before, len(table))]
-        if layout != self._decode_layout:
-            assert ahead == 0, "decode rows change only after a drain, when the host is current"
-            self.buffers.write([r.decode_row(allocator.block_tables[r.request_id]) for r in requests], layout[1])
-            self._decode_layout = layout
-        else:
-            for row, index, block in new_blocks:
-                self.buffers.set_block(row, index, block)
-        greedy = all(r.params.temperature == 0 for r in requests)
-        if size is not None:  # in engine_mode, as all of step()
-            with record_function("replay"):
-                tokens = self.graph_runner.replay(size, greedy)[:rows]
-        else:
-            tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
-        self.timings.decode_steps += 1
-        return InflightStep.launch(requests, tokens)
-
-    def _graph_size(self, rows: int) -> int | None:
-        """The capture size this batch replays, or ``None`` to run without graphs."""
-        return self.graph_runner.padded_size(rows) if self.cuda_graphs else None
-
-    def capture(self) -> CaptureStats:
+    def capture(self):
         """Capture the decode step for every capture size (done once, before the first
         decode step; it compiles the decode graph first when compiling)."""
-        def step(rows: int, greedy: bool) -> torch.Tensor:
-            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
+        with engine_mode():
+            return self.runner.capture()
 
-        with record_function("capture"), engine_mode():
-            self.buffers.write([], self.buffers.max_rows)  # all padding while capturing
-            runner = CUDAGraphRunner(step, [s for s in self.capture_sizes if s <= self.max_num_seqs])
-            self.capture_stats = runner.capture()
-        self.graph_runner, self._decode_layout = runner, None
-        return self.capture_stats
+    @property
+    def capture_stats(self):
+        """What capturing the CUDA graphs cost, or ``None`` before (or without) graphs."""
+        return self.runner.capture_stats
 
     def _append(self, request: Request, token: int) -> bool:
         """Add ``token``; returns True when the request is finished."""
@@ -508,20 +391,27 @@ class Engine:
         requests reuse it; the timings and the cache are left as before.
         """
         start = time.perf_counter()
-        for num_seqs, prompt_len, new_tokens in self._warmup_batches():
-            self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
-        if self.cuda_graphs and self.graph_runner is None:
+        allocator = self.kv_cache.allocator
+        prefix_caching, allocator.prefix_caching = allocator.prefix_caching, False  # every batch runs whole
+        try:
+            for num_seqs, prompt_len, new_tokens in self._warmup_batches():
+                self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
+        finally:
+            allocator.prefix_caching = prefix_caching
+        if self.cuda_graphs and self.runner.graph_runner is None:
             self.capture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # As if no request had run: request ids (default seeds) from 0, decode buffers to rewrite.
-        self.timings, self._ids, self._decode_layout = Timings(), itertools.count(), None
+        self.timings, self._ids, self.runner.decode_layout = Timings(), itertools.count(), None
+        self.scheduler.num_preemptions = 0
         return time.perf_counter() - start
 
     def _warmup_batches(self) -> list[tuple[int, int, int]]:
         """``(num_seqs, prompt_len, max_new_tokens)`` of the warm-up batches.
 
-        Every batch fits the engine's limits at once (:meth:`_fits`). Prefill candidates:
+        Every batch fits the engine's limits at once (:meth:`_fits`) and runs with the prefix
+        cache off (so that each prefill runs whole). Prefill candidates:
         every ``num_seqs`` up to ``max_num_seqs`` with prompts of 1..3
         tokens, powers of two and one past them (where tile sizes change) and a 10% geometric
         grid between (where split counts change), that fit the cache with a decode step to
@@ -537,7 +427,7 @@ class Engine:
             geometric = [round(1.1 ** i) for i in range(int(math.log(self.max_model_len, 1.1)) + 1)]
             lengths = sorted({1, 2, 3, *powers, *(p + 1 for p in powers), *geometric})
             prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths if self._fits(b, n, 1)]
-            graphed = self.capture_sizes[-1] if self.cuda_graphs else 0
+            graphed = self.runner.capture_sizes[-1] if self.cuda_graphs else 0
             decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1) if self._fits(b, 1, 2)]
             config = self.model.config
             heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
@@ -551,7 +441,7 @@ class Engine:
 
     def _fits(self, num_seqs: int, prompt_len: int, new_tokens: int) -> bool:
         """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit this
-        engine at once (as :meth:`add_request` and admission count)."""
+        engine at once, whole and without preemption."""
         return (num_seqs <= self.max_num_seqs and prompt_len + new_tokens <= self.max_model_len
                 and num_seqs * self._blocks_reserved(prompt_len, new_tokens) <= self.kv_cache.allocator.num_blocks)
 
@@ -596,8 +486,5 @@ class Engine:
             # After an error a decode step may still be in flight: drop it (freeing the
             # blocks it writes is safe, see _finish).
             self._inflight = None
-            for r in [*self.waiting, *self.running]:
-                self.kv_cache.allocator.free(r.request_id)
-            self.waiting.clear()
-            self.running.clear()
+            self.scheduler.clear()
         return requests, self.timings

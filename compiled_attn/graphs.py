@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .block_allocator import slot_of
 from .metadata import AttentionMetadata
 from .ops import PAD_SLOT_ID
 from .sampling import sample
@@ -105,7 +106,7 @@ class DecodeBuffers:
         host = {
             "input_ids": [r.token_id for r in rows] + [0] * pad,
             "positions": [r.position for r in rows] + [0] * pad,
-            "slot_mapping": [r.block_table[r.position // bs] * bs + r.position % bs for r in rows]
+            "slot_mapping": [slot_of(r.block_table, r.position, bs) for r in rows]
             + [PAD_SLOT_ID] * pad,
             "seq_lens": [r.position + 1 for r in rows] + [0] * pad,
             "block_table": [list(r.block_table) + [0] * (width - len(r.block_table)) for r in rows]
@@ -139,9 +140,7 @@ def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> Non
     md.input_ids.copy_(tokens)
     md.positions.add_(live.long())
     md.seq_lens.add_(live.int())
-    column = (md.positions // block_size).clamp_max(md.block_table.shape[1] - 1)
-    block = md.block_table.gather(1, column[:, None]).squeeze(1).long()
-    md.slot_mapping.copy_(torch.where(live, block * block_size + md.positions % block_size, PAD_SLOT_ID))
+    md.slot_mapping.copy_(torch.where(live, slot_of(md.block_table, md.positions, block_size), PAD_SLOT_ID))
 
 
 def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int,

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .block_allocator import slot_of
 from .ops import PAD_SLOT_ID
 
 
@@ -145,7 +146,7 @@ def build_metadata(
         pos = range(chunk.context_len, seq_len)
         input_ids.extend(chunk.token_ids)
         positions.extend(pos)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        slots.extend(slot_of(table, p, block_size) for p in pos)
         cu_seqlens.append(cu_seqlens[-1] + query_len)
         seq_lens.append(seq_len)
         tables.append(table + [0] * (max_blocks_per_seq - len(table)))

@@ -30,7 +30,7 @@ def generate_logged(engine: Engine, monkeypatch, *args, **kwargs):
     """``engine.generate(*args, **kwargs)`` and a log of ``"launch"`` for every decode
     forward and ``"read"`` for every read of a decode step's tokens, in order."""
     log = []
-    forward, read = engine.forward, InflightStep.read
+    forward, read = engine.runner.forward, InflightStep.read
 
     def logged_forward(md, kv_caches, all_logits=False):
         if not md.prefill_only:
@@ -42,7 +42,7 @@ def generate_logged(engine: Engine, monkeypatch, *args, **kwargs):
         return read(self)
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "forward", logged_forward)
+        patch.setattr(engine.runner, "forward", logged_forward)
         patch.setattr(InflightStep, "read", logged_read)
         completions, timings = engine.generate(*args, **kwargs)
     return completions, timings, log
@@ -141,7 +141,7 @@ def test_eos_mid_decode_drops_the_token_sampled_past_it(model, sampling):
         def counting(md, kv_caches, all_logits=False, name=name):
             rows[name] += 0 if md.prefill_only else md.num_seqs
             return with_eos(md, kv_caches, all_logits)
-        engine.forward = counting
+        engine.runner.forward = counting
     want, sync_timings = sync_engine.generate(MORE_PROMPTS, params, seed=3)
     got, timings = async_engine.generate(MORE_PROMPTS, params, seed=3)
     assert sum(c.finish_reason == "eos" and 1 < len(c.output_ids) < 12 for c in want) >= 2
@@ -170,7 +170,7 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingPara
         requests += [engine.add_request(prompt, params) for prompt, params in arrivals.get(i, [])]
         unfinished = {r.request_id for r in requests if r.finish_reason is None}
         before = engine.timings.overlapped_steps
-        waiting = len(engine.waiting)
+        waiting = len(engine.scheduler.waiting)
         finished = engine.step()
         if engine.timings.overlapped_steps > before:
             waiting_while_overlapped.append(waiting)
@@ -198,9 +198,10 @@ def test_requests_arriving_while_others_decode(model):
 
 
 def test_a_request_that_cannot_be_admitted_does_not_stop_the_overlap(model):
-    # 6 blocks of 4: the first request reserves 4 (3 + 12 + 1 tokens), the second needs 3
-    # (5 + 6 + 1) and waits until the first finishes, while the first keeps overlapping.
-    arrivals = {0: [([1, 2, 3], greedy(12))], 2: [([5, 9, 17, 33, 2], greedy(6))]}
+    # 6 blocks of 4: the first request holds 4 (13 prompt tokens + the next) and grows to 6
+    # (13 + 8 + 1 tokens); the second needs 3 for its prompt (9 + the next), never free
+    # while the first runs: it waits, and the first keeps overlapping.
+    arrivals = {0: [(list(range(1, 14)), greedy(8))], 2: [(list(range(20, 29)), greedy(6))]}
     want, _ = drive(make_engine(model, num_blocks=6, async_decode=False), arrivals)
     engine = make_engine(model, num_blocks=6)
     got, overlapped_waiting = drive(engine, arrivals)
@@ -220,7 +221,7 @@ def test_has_unfinished_counts_a_step_in_flight(model):
     assert engine.step() == []  # decode step 1 launched, in flight
     assert engine.step() == [request]  # step 2 launched, then step 1's EOS read
     assert request.output_ids == alone.output_ids[:2] and request.finish_reason == "eos"
-    assert engine.running == [] and engine.has_unfinished()  # step 2 is still in flight
+    assert engine.scheduler.running == [] and engine.has_unfinished()  # step 2 is still in flight
     assert engine.step() == []  # its token, sampled past the EOS, is dropped
     assert not engine.has_unfinished()
     assert request.output_ids == alone.output_ids[:2]

@@ -53,14 +53,14 @@ def test_inference_mode_and_no_grad_callers_reuse_the_compiled_graphs():
     assert _tokens(engine) == plain
     assert under_inference == plain and under_no_grad == plain
     assert plain == _tokens(Engine(model, compile=False, max_model_len=256))
-    assert engine.forward.cache_entries == 2 and engine.sampler.cache_entries == 1
+    assert engine.runner.forward.cache_entries == 2 and engine.runner.sampler.cache_entries == 1
 
     # The count is not blind to this kind: metadata made under inference mode and fed to
     # the compiled forward directly (not through the engine) fails the dispatch-key guard.
     with torch.inference_mode():
         md = build_metadata([SequenceChunk([1, 2], 0, [0])], engine.kv_cache.block_size,
                             engine.max_blocks_per_seq)
-        engine.forward(md, engine.kv_cache.layers)
+        engine.runner.forward(md, engine.kv_cache.layers)
     assert engine.compile_stats.recompiles >= 1
 
 
@@ -72,7 +72,7 @@ def test_engine_built_under_inference_mode_has_ordinary_tensors():
         engine = Engine(model, compile=False, max_model_len=256)
         inside = _tokens(engine)
     tensors = {f"kv_cache.layers[{i}]": t for i, pair in enumerate(engine.kv_cache.layers) for t in pair}
-    tensors |= {f"buffers.{k}": v for k, v in vars(engine.buffers).items() if isinstance(v, torch.Tensor)}
+    tensors |= {f"buffers.{k}": v for k, v in vars(engine.runner.buffers).items() if isinstance(v, torch.Tensor)}
     assert len(tensors) > 2 and [name for name, t in tensors.items() if t.is_inference()] == []
     assert _tokens(engine) == inside  # outside inference mode: in-place writes work
     with torch.no_grad():

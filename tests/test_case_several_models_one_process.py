@@ -66,9 +66,9 @@ def runs():
 def test_every_model_compiles_with_its_own_budget_and_matches_eager(runs):
     for engine, stats, tokens, eager in runs:
         assert (stats.graphs_compiled, stats.recompiles, stats.graph_breaks) == (3, 0, 0)
-        assert engine.forward.cache_entries == 2 and engine.sampler.cache_entries == 1
+        assert engine.runner.forward.cache_entries == 2 and engine.runner.sampler.cache_entries == 1
         assert tokens == eager
-    codes = {f.entry.__code__ for engine, *_ in runs for f in (engine.forward, engine.sampler)}
+    codes = {f.entry.__code__ for engine, *_ in runs for f in (engine.runner.forward, engine.runner.sampler)}
     assert len(codes) == 2 * len(runs)
 
 
@@ -76,11 +76,11 @@ def test_a_real_recompile_is_counted_on_its_engine_only(runs):
     engine = runs[0][0]
     md = build_metadata([SequenceChunk([1, 2], 0, [0])], engine.kv_cache.block_size, engine.max_blocks_per_seq)
     with torch.no_grad():
-        engine.forward(md, engine.kv_cache.layers)  # a variant compiled already: no compile
+        engine.runner.forward(md, engine.kv_cache.layers)  # a variant compiled already: no compile
         assert engine.compile_stats.recompiles == 0
-        engine.forward(dataclasses.replace(md, input_ids=md.input_ids.int()), engine.kv_cache.layers)
+        engine.runner.forward(dataclasses.replace(md, input_ids=md.input_ids.int()), engine.kv_cache.layers)
     assert engine.compile_stats.recompiles == 1 and engine.compile_stats.graphs_compiled == 4
-    assert engine.forward.cache_entries == 3
+    assert engine.runner.forward.cache_entries == 3
     assert all(e.compile_stats.recompiles == 0 for e, *_ in runs[1:])
     assert _tokens(engine) == runs[0][3]  # and it still runs as before
 

@@ -47,7 +47,7 @@ def test_decode_loop_compiles_once_per_variant_and_matches_eager():
                         16, engine.max_blocks_per_seq)
     md.prefill_only = False
     with torch.no_grad():
-        mixed = engine.forward(md, engine.kv_cache.layers)
+        mixed = engine.runner.forward(md, engine.kv_cache.layers)
 
     assert stats.graphs_compiled == 3, "a batch shape triggered a new graph"
     assert stats.recompiles == 0

@@ -149,14 +149,14 @@ def test_blocks_return_when_forward_raises(model):
             raise RuntimeError("boom in step 3")
         return model(md, kv_caches, all_logits)
 
-    engine.forward = failing
+    engine.runner.forward = failing
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate(PROMPTS, greedy(6))
     assert len(calls) == 3
     assert engine.kv_cache.allocator.num_free_blocks == 40
     assert engine.kv_cache.allocator.block_tables == {}
     # The engine is usable afterwards.
-    engine.forward = model
+    engine.runner.forward = model
     completions, _ = engine.generate(PROMPTS, greedy(2))
     assert all(len(c.output_ids) == 2 for c in completions)
 
@@ -272,7 +272,7 @@ def record_steps(engine: Engine, model):
         steps.append((torch.utils._pytree.tree_map(torch.clone, md), logits.clone()))
         return logits
 
-    engine.forward = recording
+    engine.runner.forward = recording
     return steps
 
 

@@ -59,19 +59,19 @@ def test_1000_steps_of_changing_batch_size_no_recompiles_no_captures_steady_memo
     sizes, memory = [], {}
     for step in range(1000):
         target = 1 + (step // 40) % 16  # the wanted number of live requests sweeps 1..16
-        while len(engine.running) + len(engine.waiting) < target:
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < target:
             engine.add_request([rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 30))],
                                SamplingParams(max_new_tokens=rng.randint(1, 40)))
-        if engine.running and not engine.waiting:
-            sizes.append(len(engine.running))
+        if engine.scheduler.running and not engine.scheduler.waiting:
+            sizes.append(len(engine.scheduler.running))
         engine.step()
         if step == 100:
             stats = engine.compile_stats
-            warm = (stats.graphs_compiled, len(engine.graph_runner.graphs))
+            warm = (stats.graphs_compiled, len(engine.runner.graph_runner.graphs))
             memory["warm"] = torch.cuda.memory_allocated()
     memory["end"] = torch.cuda.memory_allocated()
     assert min(sizes) == 1 and max(sizes) == 16
-    assert (stats.graphs_compiled, len(engine.graph_runner.graphs)) == warm
+    assert (stats.graphs_compiled, len(engine.runner.graph_runner.graphs)) == warm
     assert stats.recompiles == 0 and stats.graph_breaks == 0
     assert abs(memory["end"] - memory["warm"]) < 1 << 20, memory
 
@@ -99,14 +99,14 @@ def test_poisoned_padding_never_changes_real_rows():
     clean = DecodeBuffers(8, engine.max_blocks_per_seq, engine.kv_cache.block_size, "cuda")
     clean.write(rows, 3)
     with torch.no_grad():
-        want = decode_step(engine.forward, engine.kv_cache.layers, clean, 3)
-    engine.buffers.write(rows, 4)  # one padding row, then poison it
-    engine.buffers.input_ids[3] = 7
-    engine.buffers.positions[3] = 10**6
-    engine.buffers.block_table[3] = torch.randint(0, 64, engine.buffers.block_table[3].shape, device="cuda")
-    engine.buffers.temperature[3] = float("nan")
-    engine.buffers.top_p[3] = float("nan")
-    got = engine.graph_runner.replay(4)
+        want = decode_step(engine.runner.forward, engine.kv_cache.layers, clean, 3)
+    engine.runner.buffers.write(rows, 4)  # one padding row, then poison it
+    engine.runner.buffers.input_ids[3] = 7
+    engine.runner.buffers.positions[3] = 10**6
+    engine.runner.buffers.block_table[3] = torch.randint(0, 64, engine.runner.buffers.block_table[3].shape, device="cuda")
+    engine.runner.buffers.temperature[3] = float("nan")
+    engine.runner.buffers.top_p[3] = float("nan")
+    got = engine.runner.graph_runner.replay(4)
     assert torch.equal(got[:3], want)
     for k, v in engine.kv_cache.layers:  # the padding row wrote nothing into unused blocks
         assert torch.isnan(k[unused]).all() and torch.isnan(v[unused]).all()
@@ -119,12 +119,12 @@ def test_the_host_copy_of_a_replay_survives_the_next_replay():
     engine = Engine(_model(3), compile=True, cuda_graphs=True, max_num_seqs=4, num_blocks=64)
     engine.capture()
     rows = _rows_after_prefill(engine, [[1, 2], [3, 4, 5]])
-    engine.buffers.write(rows, 2)
-    want = engine.graph_runner.replay(2).tolist()
-    engine.buffers.write(rows, 2)  # the same step again, then the next one before reading
-    first = engine.graph_runner.replay(2)
+    engine.runner.buffers.write(rows, 2)
+    want = engine.runner.graph_runner.replay(2).tolist()
+    engine.runner.buffers.write(rows, 2)  # the same step again, then the next one before reading
+    first = engine.runner.graph_runner.replay(2)
     inflight = InflightStep.launch([], first)
-    second = engine.graph_runner.replay(2)
+    second = engine.runner.graph_runner.replay(2)
     assert second.data_ptr() == first.data_ptr()  # no device copy: the static output itself
     assert inflight.tokens.is_pinned()
     assert inflight.read() == want

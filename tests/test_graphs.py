@@ -79,10 +79,10 @@ def _emulate_graphs(engine: Engine, sizes: list[int]) -> list[tuple[int, bool]]:
 
     def replay(size, greedy=False):
         used.append((size, greedy))
-        return decode_step(engine.forward, engine.kv_cache.layers, engine.buffers, size, greedy=greedy)
+        return decode_step(engine.runner.forward, engine.kv_cache.layers, engine.runner.buffers, size, greedy=greedy)
 
     runner.replay = replay
-    engine.graph_runner = runner
+    engine.runner.graph_runner = runner
     engine.cuda_graphs = True
     return used
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_attn.block_allocator import slot_of
 from compiled_attn.kv_cache import BlockAllocator, KVCache, OutOfBlocksError
+
+
+def append_slot(alloc, seq_id, position):
+    """Slot of token ``position`` of ``seq_id``, allocating a block when needed."""
+    return slot_of(alloc.allocate(seq_id, position + 1), position, alloc.block_size)
 from compiled_attn.ops import copy_blocks
 
 
@@ -37,15 +43,15 @@ def test_allocate_grows_an_existing_table_only_by_what_is_missing():
     assert alloc.num_free_blocks == 5
 
 
-def test_append_slot_is_block_id_times_block_size_plus_offset():
+def test_slot_is_block_id_times_block_size_plus_offset():
     block_size = 4
     alloc = BlockAllocator(num_blocks=16, block_size=block_size)
     # Interleave another sequence so seq 0's blocks are not contiguous ids.
     slots = []
     for pos in range(11):
-        slots.append(alloc.append_slot(0, pos))
+        slots.append(append_slot(alloc, 0, pos))
         if pos % 3 == 0:
-            alloc.append_slot(100 + pos, 0)
+            append_slot(alloc, 100 + pos, 0)
     table = alloc.block_tables[0]
     assert len(table) == 3  # positions 0..10 -> 3 blocks of 4
     for pos, slot in enumerate(slots):
@@ -56,7 +62,7 @@ def test_append_slot_is_block_id_times_block_size_plus_offset():
     alloc2 = BlockAllocator(num_blocks=16, block_size=block_size)
     for pos in range(11):
         before = alloc2.num_free_blocks
-        alloc2.append_slot(7, pos)
+        append_slot(alloc2, 7, pos)
         new_blocks.append(before - alloc2.num_free_blocks)
     assert new_blocks == [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
 
@@ -65,7 +71,7 @@ def test_slot_maps_to_the_block_that_holds_the_token():
     alloc = BlockAllocator(num_blocks=6, block_size=3)
     alloc.allocate(9, 2)  # take block 0 for someone else first
     for pos in range(7):
-        slot = alloc.append_slot(1, pos)
+        slot = append_slot(alloc, 1, pos)
         block, offset = divmod(slot, 3)
         assert block == alloc.block_tables[1][pos // 3]
         assert offset == pos % 3
@@ -107,10 +113,10 @@ def test_out_of_blocks_names_request_and_free_count_and_allocates_nothing():
         alloc.allocate(0, 24)
     assert alloc.num_free_blocks == 2
     assert alloc.block_tables[0] == before_tables[0]
-    # append_slot goes through the same check.
+    # allocating one more token goes through the same check.
     alloc.allocate(2, 8)
     with pytest.raises(OutOfBlocksError):
-        alloc.append_slot(3, 0)
+        append_slot(alloc, 3, 0)
     assert alloc.num_free_blocks == 0
     assert isinstance(OutOfBlocksError("x"), RuntimeError)
 

@@ -1,0 +1,159 @@
+"""Turns a scheduled step into device work: metadata, the forward, sampling, tokens back.
+
+Two kinds of step (see :mod:`compiled_attn.scheduler` for what a chunk is):
+
+* :meth:`ModelRunner.run_chunks`: any mix of prefill chunks and decode rows in **one**
+  forward over the paged cache (the attention ops serve mixed batches), metadata built on
+  the host (:func:`~compiled_attn.metadata.build_metadata`), the compiled model without
+  graphs, tokens read back at once;
+* :meth:`ModelRunner.launch_decode`: one token for each of the running requests through the
+  static decode buffers, a CUDA-graph replay when graphs are on and the batch fits a capture
+  size (the compiled model otherwise), returned in flight (:class:`InflightStep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.profiler import record_function
+
+from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, decode_step
+from .kv_cache import KVCache
+from .metadata import SequenceChunk, build_metadata
+from .scheduler import Chunk, Request
+
+
+@dataclass
+class InflightStep:
+    """A launched decode step whose tokens the host has not read yet.
+
+    Attributes:
+        requests: the requests of its rows, in row order.
+        tokens: its sampled tokens ``[rows]`` on the host: pinned memory that a
+            non-blocking device-to-host copy fills (CUDA), or the tokens themselves (CPU).
+        event: recorded on the stream after that copy; ``None`` on the CPU, where the
+            tokens are ready at once.
+    """
+
+    requests: list[Request]
+    tokens: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> "InflightStep":
+        """Start copying the just-launched step's ``tokens`` to the host.
+
+        The copy is enqueued on the stream behind the step and ahead of the next one, so it
+        reads the step's tokens even when ``tokens`` is a graph's static output that the next
+        replay overwrites: no device-side copy is needed.
+        """
+        if not tokens.is_cuda:
+            return cls(requests, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(requests, host, event)
+
+    def read(self) -> list[int]:
+        """The tokens, once the copy (and so the step) has finished on the device."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist()
+
+
+class ModelRunner:
+    """Runs the model's steps over one KV cache.
+
+    Args:
+        forward: the model, or its compiled form (``forward(md, kv_caches)`` -> logits of
+            each sequence's last token).
+        sampler: :func:`~compiled_attn.sampling.sample` or its compiled form.
+        kv_cache: the cache and its allocator.
+        max_num_seqs: rows of the decode buffers (the largest decode batch).
+        max_blocks_per_seq: block-table width of every step.
+        capture_sizes: decode batch sizes to capture, or ``None`` for no CUDA graphs.
+    """
+
+    def __init__(self, forward, sampler, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int,
+                 capture_sizes: Sequence[int] | None) -> None:
+        self.forward, self.sampler, self.kv_cache = forward, sampler, kv_cache
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = kv_cache.layers[0][0].device
+        self.buffers = DecodeBuffers(max_num_seqs, max_blocks_per_seq, kv_cache.block_size, self.device)
+        self.capture_sizes = None if capture_sizes is None else [s for s in capture_sizes if s <= max_num_seqs]
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.capture_stats: CaptureStats | None = None
+        self.decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in the buffers
+        self._blocks_written: list[int] = []  # per buffer row, block-table entries written
+
+    def run_chunks(self, chunks: list[Chunk]) -> list[int]:
+        """One forward over ``chunks`` (prefill chunks and decode rows, in any mix); returns
+        each chunk's sampled token (meaningful for chunks that complete their request)."""
+        allocator = self.kv_cache.allocator
+        md = build_metadata(
+            [SequenceChunk(c.request.token_ids(c.request.num_computed, c.request.num_computed + c.num_tokens),
+                           c.request.num_computed, allocator.block_tables[c.request.request_id]) for c in chunks],
+            self.kv_cache.block_size, self.max_blocks_per_seq, self.device, allocator.num_blocks)
+        self.decode_layout = None  # the decode buffers no longer hold the rows' device state
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        requests = [c.request for c in chunks]
+        logits = self.forward(md, self.kv_cache.layers)
+        tokens = self.sampler(
+            logits,
+            column([r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.seed for r in requests], torch.int64),
+            column([c.request.num_computed + c.num_tokens for c in chunks], torch.int64),
+        )
+        return tokens.tolist()
+
+    def launch_decode(self, requests: list[Request], ahead: int, max_model_len: int) -> InflightStep:
+        """Launch one decode step (one token for each of ``requests``, the running ones)
+        through the static decode buffers; returns it in flight.
+
+        ``ahead`` is how many tokens the device is past the host's ``output_ids`` (1 while
+        a step is in flight: its advance already moved the buffers), so this step feeds
+        position ``num_tokens - 1 + ahead`` and its advance addresses the one after.
+        """
+        allocator = self.kv_cache.allocator
+        rows = len(requests)
+        size = self.graph_runner.padded_size(rows) if self.graph_runner is not None else None
+        layout = (tuple(r.request_id for r in requests), size or rows)
+        # Room for the token in flight, this one and the advance's next slot: within
+        # max_model_len, as an overlapped step never runs past max_new_tokens.
+        tables = [allocator.allocate(r.request_id, min(r.num_tokens + ahead + 1, max_model_len)) for r in requests]
+        if layout != self.decode_layout:
+            assert ahead == 0, "decode rows change only after a drain, when the host is current"
+            self.buffers.write([r.decode_row(table) for r, table in zip(requests, tables)], layout[1])
+            self.decode_layout = layout
+        else:  # blocks added since the buffers were written (here or by the scheduler)
+            for row, table in enumerate(tables):
+                for index in range(self._blocks_written[row], len(table)):
+                    self.buffers.set_block(row, index, table[index])
+        self._blocks_written = [len(table) for table in tables]
+        greedy = all(r.params.temperature == 0 for r in requests)
+        if size is not None:
+            with record_function("replay"):
+                tokens = self.graph_runner.replay(size, greedy)[:rows]
+        else:
+            tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
+        return InflightStep.launch(requests, tokens)
+
+    def capture(self) -> CaptureStats:
+        """Capture the decode step for every capture size (done once, before the first
+        decode step; it compiles the decode graph first when compiling)."""
+        def step(rows: int, greedy: bool) -> torch.Tensor:
+            return decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
+
+        with record_function("capture"):
+            self.buffers.write([], self.buffers.max_rows)  # all padding while capturing
+            runner = CUDAGraphRunner(step, self.capture_sizes)
+            self.capture_stats = runner.capture()
+        self.graph_runner, self.decode_layout = runner, None
+        return self.capture_stats

@@ -1,0 +1,205 @@
+"""What runs in the next engine step: admission, token budget, chunked prefill, preemption.
+
+No tensors here (nano-vllm's split: this scheduler, the model runner of
+:mod:`compiled_attn.model_runner`, the loop of :mod:`compiled_attn.engine`).
+
+Every request, at every moment, has computed (written the K/V of) its first
+``num_computed`` tokens; the rest are pending. A step computes a *chunk* of each scheduled
+request's pending tokens, and samples a token for the requests whose chunk reaches their
+last token. A fresh prompt is all pending; a decoding request has one pending token (the
+last sampled one); a request preempted and re-admitted recomputes prompt and output so far
+(vLLM's recompute preemption), its cached prefix aside.
+
+:meth:`Scheduler.schedule` takes the running requests first, oldest first, then admits
+waiting ones (first come, first served), within ``max_num_seqs`` requests and
+``max_num_batched_tokens`` tokens a step (vLLM's chunked prefill: a prompt longer than what is
+left of the budget runs in chunks over several steps, beside the decode rows). Blocks are
+allocated as sequences grow; when the cache runs out for a running request, the newest
+running request is preempted (its blocks freed; its full blocks stay in the prefix cache)
+and goes back to the front of the queue. No request is lost, and the tokens equal those of
+an engine with room to spare.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .block_allocator import BlockAllocator, OutOfBlocksError
+from .graphs import DecodeRow
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One generation request and its result so far.
+
+    Attributes:
+        request_id: engine-wide id (also its sequence id in the block allocator).
+        prompt_ids: the prompt token ids.
+        params: its sampling parameters.
+        seed: the seed its random draws are keyed by.
+        output_ids: generated token ids (EOS included when it ended the sequence).
+        finish_reason: ``None`` while running, then ``"length"`` or ``"eos"``.
+        num_computed: tokens whose K/V are in the cache.
+        num_cached: prompt tokens found in the prefix cache at its (last) admission.
+        num_preemptions: times it was preempted.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_computed: int = 0
+    num_cached: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """All its tokens but the last sampled one are computed."""
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids ``start .. end - 1`` of prompt + output."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0):max(end - prompt, 0)]
+
+    def decode_row(self, block_table: Sequence[int]) -> DecodeRow:
+        return DecodeRow(self.output_ids[-1], self.num_tokens - 1, block_table,
+                         self.params.temperature, self.params.top_p, self.seed)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``num_tokens`` pending tokens of ``request`` that a step computes, from
+    ``request.num_computed`` on."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """It reaches the request's last token: the step samples the request's next token."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    """Queues requests and decides each step's chunks.
+
+    Args:
+        allocator: the KV cache's block allocator (prefix caching is its setting).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed in one step (``None``: no limit, so
+            every prompt is prefilled whole).
+        max_model_len: longest sequence (blocks are never allocated past it).
+    """
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int | None,
+                 max_model_len: int) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Chunk]:
+        """The chunks of the next step (empty when nothing can run); allocates their blocks,
+        preempting as needed, and admits waiting requests."""
+        budget = self.max_num_batched_tokens or float("inf")
+        chunks: list[Chunk] = []
+        preempted = False
+        for request in list(self.running):
+            if request not in self.running:  # preempted by an older request of this step
+                continue
+            count = min(request.num_tokens - request.num_computed, budget)
+            if count <= 0:
+                continue
+            while not self._fits(request, count):
+                preempted = True
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is request:
+                    break
+            else:
+                chunks.append(Chunk(request, count))
+                budget -= count
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            request.num_computed = request.num_cached = self.allocator.allocate_prefix(
+                request.request_id, request.token_ids(0, request.num_tokens))
+            count = min(request.num_tokens - request.num_computed, budget)
+            if not self._fits(request, count):
+                self.allocator.free(request.request_id)
+                request.num_computed = request.num_cached = 0
+                break
+            self.running.append(self.waiting.popleft())
+            chunks.append(Chunk(request, count))
+            budget -= count
+        return chunks
+
+    def can_admit(self) -> bool:
+        """Whether a waiting request would be admitted now (ignoring the prefix cache)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        request = self.waiting[0]
+        count = min(request.num_tokens, self.max_num_batched_tokens or request.num_tokens)
+        return self.allocator.blocks_needed(request.request_id, self._tokens_to_hold(request, count)) \
+            <= self.allocator.num_free_blocks
+
+    def _tokens_to_hold(self, request: Request, count: int) -> int:
+        """Tokens ``request`` must have room for after computing ``count`` more: those, and
+        the next position when the chunk completes (the decode step's on-device advance
+        addresses it)."""
+        end = request.num_computed + count
+        return min(end + (end == request.num_tokens), self.max_model_len)
+
+    def _fits(self, request: Request, count: int) -> bool:
+        try:
+            self.allocator.allocate(request.request_id, self._tokens_to_hold(request, count))
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and queue it first, to recompute what it has."""
+        self.running.remove(request)
+        self.allocator.free(request.request_id)
+        request.num_computed = request.num_cached = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def computed(self, request: Request, count: int) -> None:
+        """``count`` more tokens of ``request`` are in the cache; full blocks among them
+        enter the prefix cache."""
+        request.num_computed += count
+        if request.num_computed // self.allocator.block_size > self.allocator.num_hashed(request.request_id):
+            self.allocator.cache_full_blocks(request.request_id, request.token_ids(0, request.num_computed),
+                                             request.num_computed)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished request out and free its blocks."""
+        self.running.remove(request)
+        self.allocator.free(request.request_id)
+
+    def clear(self) -> None:
+        """Drop every request (their blocks freed)."""
+        for request in [*self.waiting, *self.running]:
+            self.allocator.free(request.request_id)
+        self.waiting.clear()
+        self.running.clear()

@@ -1,0 +1,157 @@
+"""Scheduling features on the CPU: prefix caching, chunked prefill, preemption.
+
+Each feature must leave the tokens unchanged: the reference is an engine with room to spare,
+no prefix cache and no token budget, on the same requests (greedy, a random model whose LM
+head is scaled so that picks are not near-ties; fp32). Block and token counts show that the
+feature actually ran.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from compiled_attn.block_allocator import BlockAllocator, block_hash
+from compiled_attn.engine import Engine
+from compiled_attn.models import DiffLlamaConfig, build_random_model
+from compiled_attn.sampling import SamplingParams
+
+CONFIG = DiffLlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    bos_token_id=None, eos_token_id=None, lambda_std_dev=0.3,
+)
+SYSTEM = list(range(10, 50))  # a shared 40-token system prompt
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = build_random_model(CONFIG, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def engine(model, **kwargs) -> Engine:
+    kwargs.setdefault("enable_prefix_caching", False)
+    return Engine(model, compile=False, block_size=4, max_model_len=200, **kwargs)
+
+
+def workload(seed: int, n: int = 10, shared: bool = True):
+    rng = random.Random(seed)
+    prompts = [(SYSTEM if shared and i % 2 == 0 else []) + [rng.randrange(96) for _ in range(rng.randint(1, 30))]
+               for i in range(n)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 20)) for _ in range(n)]
+    return prompts, params
+
+
+def drive(engine: Engine, prompts, params, arrive_every: int = 2):
+    """Add one request every ``arrive_every`` steps (mixed arrivals) until all finish."""
+    requests, pending, step = [], list(zip(prompts, params)), 0
+    while pending or engine.has_unfinished():
+        if pending and step % arrive_every == 0:
+            requests.append(engine.add_request(*pending.pop(0)))
+        engine.step()
+        step += 1
+    return [r.output_ids for r in requests], requests
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    prompts, params = workload(1)
+    return drive(engine(model, num_blocks=1000), prompts, params)[0]
+
+
+def test_prefix_caching_gives_the_same_tokens_and_hits(model, reference):
+    prompts, params = workload(1)
+    e = engine(model, num_blocks=1000, enable_prefix_caching=True)
+    got, requests = drive(e, prompts, params)
+    assert got == reference
+    hits = [r.num_cached for r in requests]
+    assert hits[0] == 0 and all(h == 40 for h in hits[2::2])  # the 10 blocks of the system prompt
+    assert e.timings.prefill_tokens == sum(map(len, prompts)) - sum(hits)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_chunked_prefill_gives_the_same_tokens(model, reference, budget):
+    prompts, params = workload(1)
+    e = engine(model, num_blocks=1000, max_num_batched_tokens=budget)
+    steps = []
+    run = e.runner.run_chunks
+    e.runner.run_chunks = lambda chunks: (steps.append([(c.num_tokens, c.completes) for c in chunks]), run(chunks))[1]
+    got, _ = drive(e, prompts, params)
+    assert got == reference
+    assert max(sum(n for n, _ in step) for step in steps) <= budget
+    partial = sum(not completes for step in steps for _, completes in step)  # chunks that stop mid-prompt
+    assert (partial > 0) == (budget < 70)  # the longest prompt has 70 tokens
+
+
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(model, reference):
+    prompts, params = workload(1)
+    for caching in (False, True):
+        e = engine(model, num_blocks=24, enable_prefix_caching=caching)  # 96 tokens for ~10 requests
+        got, requests = drive(e, prompts, params, arrive_every=1)
+        assert got == reference
+        assert e.scheduler.num_preemptions > 0 and sum(r.num_preemptions for r in requests) > 0
+        allocator = e.kv_cache.allocator
+        assert allocator.num_free_blocks == allocator.num_blocks and allocator.block_tables == {}
+
+
+def test_everything_at_once(model, reference):
+    prompts, params = workload(1)
+    e = engine(model, num_blocks=30, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=4)
+    assert drive(e, prompts, params, arrive_every=1)[0] == reference
+
+
+def test_generate_with_a_shared_system_prompt_reuses_its_blocks(model):
+    prompts, params = workload(2)
+    cached = engine(model, num_blocks=1000, enable_prefix_caching=True)
+    first, _ = cached.generate(prompts[:1], params[:1])
+    later, timings = cached.generate(prompts[2:3], params[2:3])
+    assert later[0].num_cached == 40 and timings.prefill_tokens == len(prompts[2]) - 40
+    fresh, _ = engine(model, num_blocks=1000).generate(prompts[2:3], params[2:3])
+    assert later[0].output_ids == fresh[0].output_ids
+
+
+def test_bad_scheduler_settings_are_clear_errors(model):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine(model, max_num_batched_tokens=3)  # below one block of 4
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine(model, max_num_batched_tokens=0)
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        engine(model, max_num_seqs=1.5)
+
+
+# --- the allocator's prefix cache ------------------------------------------------------------
+
+
+def test_prefix_blocks_are_shared_refcounted_and_evicted_lru():
+    alloc = BlockAllocator(num_blocks=6, block_size=2, prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert alloc.allocate_prefix(0, tokens) == 0
+    alloc.allocate(0, 7)
+    alloc.cache_full_blocks(0, tokens, 7)  # blocks [1,2] [3,4] [5,6] registered
+    assert alloc.num_cached_blocks == 3
+    assert alloc.allocate_prefix(1, tokens) == 6  # never the block of the last token ... here [7]
+    assert alloc.block_tables[1] == alloc.block_tables[0][:3]
+    assert alloc.allocate_prefix(2, [1, 2, 3, 4, 9, 9]) == 4  # two shared blocks, then a miss
+    alloc.free(0)
+    alloc.free(1)
+    assert alloc.num_free_blocks == 6 - 2  # sequence 2 still holds two cached blocks
+    alloc.free(2)
+    assert alloc.num_free_blocks == 6 and alloc.num_cached_blocks == 3
+    alloc.allocate(3, 12)  # takes every block: the 3 free ones first, then evicts the cached ones
+    assert alloc.num_cached_blocks == 0 and alloc.num_free_blocks == 0
+    alloc.free(3)
+    assert alloc.allocate_prefix(4, tokens) == 0
+
+
+def test_whole_prompt_hit_leaves_the_last_token_to_compute():
+    alloc = BlockAllocator(num_blocks=8, block_size=2, prefix_caching=True)
+    tokens = [1, 2, 3, 4]
+    alloc.allocate(0, 4)
+    alloc.cache_full_blocks(0, tokens, 4)
+    assert alloc.allocate_prefix(1, tokens) == 2  # block [3, 4] holds the last token: recomputed
+    assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [9, 9]), [1, 2])  # hashes chain
