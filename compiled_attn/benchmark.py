@@ -10,23 +10,22 @@ steps of a full generate call (prompt of ``prompt_len``, ``new_tokens`` generate
 Anchors measured in the same run: the *physical floor* of a step, (weight bytes + KV
 bytes read) / device-to-device copy bandwidth (bytes read + written per second of a
 2 GiB copy), and each runtime against ours. The table is appended to
-``<results_dir>/decode.md`` and ``decode.jsonl``.
+``<results_dir>/decode.md`` and ``decode.jsonl``. ``kv_cache_dtype="fp8"`` runs our engine's
+runtimes over an fp8 KV cache (the floor then counts one byte per cached element).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .engine import Engine
-from .models import DiffLlamaConfig, build_random_model
-from .models.loader import interleaved_to_halves, projection_heads, unfuse_state_dict
+from .kv_cache import resolve_kv_cache_dtype
+from .models import DiffLlamaConfig, build_random_model, save_diffllama
 from .profiler import StepProfiler, summarize_trace
 from .results import ResultRow, write_results
 from .sampling import SamplingParams
@@ -62,14 +61,16 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * (1 << 30) * 2 / sorted(times[5:])[len(times[5:]) // 2]
 
 
-def floor_seconds(model, batch: int, mean_context: float, bandwidth: float) -> float:
+def floor_seconds(model, batch: int, mean_context: float, bandwidth: float,
+                  kv_dtype: torch.dtype | None = None) -> float:
     """(weights read + KV read) / bandwidth for one decode step; the input embedding
-    reads only ``batch`` rows, so its table is not counted (unless tied to the head)."""
+    reads only ``batch`` rows, so its table is not counted (unless tied to the head).
+    ``kv_dtype``: the cache's dtype (default the model's)."""
     config = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                   if n != "model.embed_tokens.weight" or config.tie_word_embeddings)
     kv = (batch * mean_context * model.num_cache_layers * 2 * config.num_key_value_heads
-          * config.head_dim * next(model.parameters()).element_size())
+          * config.head_dim * (kv_dtype or next(model.parameters()).dtype).itemsize)
     return (weights + kv) / bandwidth
 
 
@@ -79,14 +80,14 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, max_batch: int,
-                profile_steps: int = 0) -> dict:
-    """Decode-step latency of our engine in ``mode``; with ``profile_steps`` also the
-    device-busy fraction of that many profiled decode steps."""
+                profile_steps: int = 0, kv_cache_dtype: str = "auto") -> dict:
+    """Decode-step latency of our engine in ``mode`` (over a ``kv_cache_dtype`` cache); with
+    ``profile_steps`` also the device-busy fraction of that many profiled decode steps."""
     block_size = 16
     max_len = prompt_len + new_tokens + 1
     blocks = batch * -(-max_len // block_size) + 1
     engine = Engine(model, max_model_len=max_len, block_size=block_size, num_blocks=blocks,
-                    max_num_seqs=max_batch, **ENGINE_MODES[mode])
+                    max_num_seqs=max_batch, kv_cache_dtype=kv_cache_dtype, **ENGINE_MODES[mode])
     engine.generate(_prompts(batch, 16, model.config.vocab_size, 1), SamplingParams(max_new_tokens=4))  # warm-up
     _, timings = engine.generate(_prompts(batch, prompt_len, model.config.vocab_size),
                                  SamplingParams(max_new_tokens=new_tokens))
@@ -107,10 +108,10 @@ def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, 
     return result
 
 
-def time_first_request(model, prompt_len: int) -> dict:
+def time_first_request(model, prompt_len: int, kv_cache_dtype: str = "auto") -> dict:
     """Time to first token of a fresh engine's first request against a later one (same
     length, other tokens), and the engine's warm-up seconds before the first request."""
-    engine = Engine(model, max_model_len=prompt_len + 8, max_num_seqs=8)
+    engine = Engine(model, max_model_len=prompt_len + 8, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     ttft = []
     for seed in (3, 4):
         start = time.perf_counter()
@@ -151,30 +152,32 @@ def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype
 def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
               modes=("eager", "compiled", "graphs", "reduce-overhead", "hf"),
               results_dir: str | Path = "profiling/results", seed: int = 0,
-              log=print, max_batch_size: int = 64) -> str:
+              log=print, max_batch_size: int = 64, kv_cache_dtype: str = "auto") -> str:
     """Measure every mode at every batch size; append each batch size's rows as soon as
     they are measured and return the Markdown tables. A runtime that fails is logged and
     left out. Engines serve up to ``max(max_batch_size, *batch_sizes)`` rows (the graphs
-    mode captures the default sizes up to that).
+    mode captures the default sizes up to that) over a ``kv_cache_dtype`` KV cache
+    (``"auto"``: bfloat16; ``"fp8"``/``"fp8_e4m3"``: float8_e4m3fn, scales 1.0).
 
     Raises:
-        ValueError: no CUDA device.
+        ValueError: no CUDA device; an unknown ``kv_cache_dtype``.
     """
     if not torch.cuda.is_available():
         raise ValueError("compiled-attn bench needs a CUDA device")
     device = torch.device("cuda")
     dtype = torch.bfloat16
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     bandwidth = copy_bandwidth(device)
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     with tempfile.TemporaryDirectory() as model_dir:
         model = build_random_model(BENCH_CONFIG, seed=seed, dtype=dtype, device=device)
         if "hf" in modes:
-            _save_as_hf(model, Path(model_dir))
+            save_diffllama(model, model_dir)
         tables = []
         for batch in batch_sizes:
             rows: list[ResultRow] = []
             step: dict[str, float] = {}
-            floor = floor_seconds(model, batch, prompt_len + new_tokens / 2, bandwidth)
+            floor = floor_seconds(model, batch, prompt_len + new_tokens / 2, bandwidth, kv_dtype)
             for mode in modes:
                 started = time.perf_counter()
                 try:
@@ -183,7 +186,8 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                     else:
                         res = time_engine(model, mode, batch, prompt_len, new_tokens,
                                           max(max_batch_size, *batch_sizes),
-                                          profile_steps=16 if mode == "graphs" else 0)
+                                          profile_steps=16 if mode == "graphs" else 0,
+                                          kv_cache_dtype=kv_cache_dtype)
                         step[mode] = res["step_s"]
                         if mode == "graphs":
                             for name, us in res["kernels_us"]:
@@ -198,7 +202,7 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                     continue
                 log(f"B={batch} {mode}: {step[mode] * 1e3:.3f} ms/step ({time.perf_counter() - started:.0f} s)")
             if batch == batch_sizes[0]:
-                first = time_first_request(model, prompt_len)
+                first = time_first_request(model, prompt_len, kv_cache_dtype)
                 log(f"first request TTFT {first['first_s'] * 1e3:.1f} ms, later {first['later_s'] * 1e3:.1f} ms, "
                     f"warm-up {first['warmup_s']:.1f} s")
                 rows.append(ResultRow(f"TTFT, prompt {prompt_len}, first request of a new engine", "ms",
@@ -206,7 +210,8 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                 rows.append(ResultRow("engine warm-up before the first request", "seconds", first["warmup_s"], "-", 1.0))
             rows += _ratios(batch, step, floor)
             tables.append(write_results(rows, results_dir, "decode", f"Decode step B={batch}, DiffLlama "
-                                        f"~1.1B bf16, prompt {prompt_len}, {new_tokens} new tokens, "
+                                        f"~1.1B bf16, KV cache {str(kv_dtype).removeprefix('torch.')}, "
+                                        f"prompt {prompt_len}, {new_tokens} new tokens, "
                                         f"copy {bandwidth / 1e12:.2f} TB/s"))
     return "".join(tables)
 
@@ -227,28 +232,3 @@ def _ratios(batch: int, step: dict[str, float], floor: float) -> list[ResultRow]
             rows.append(ResultRow(f"B={batch} {mode} / graphs", "step ms", step[mode] * 1e3, "graphs ms",
                                   ours * 1e3, target_b1 if batch == 1 else target))
     return rows
-
-
-def _save_as_hf(model, directory: Path) -> None:
-    """Write our model as a Hugging Face DiffLlama checkpoint (fused projections split,
-    heads back to block halves)."""
-    config = model.config
-    state = {}
-    for name, tensor in unfuse_state_dict(model.state_dict(), config).items():
-        heads = projection_heads(name, config)
-        if heads is not None:
-            tensor = interleaved_to_halves(tensor, heads)
-        state[name] = tensor.contiguous()
-    save_file(state, str(directory / "model.safetensors"))
-    hf_config = {
-        "model_type": "diffllama", "architectures": ["DiffLlamaForCausalLM"],
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "attention_bias": config.attention_bias,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "hidden_act": "silu",
-        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": None, "eos_token_id": None,
-        "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config))

@@ -156,19 +156,33 @@ class BlockAllocator:
                 self._block_of[digest] = block
                 self._hash_of[block] = digest
 
-    def fork(self, parent_id: int, child_id: int) -> list[tuple[int, int]]:
-        """Give ``child_id`` a private copy of ``parent_id``'s blocks.
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` the blocks of ``parent_id``, shared (reference counted): a
+        block is copied only when one of them writes it (:meth:`copy_on_write`)."""
+        table = self.block_tables[parent_id]
+        for block in table:
+            self._refs[block] += 1
+        self.block_tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
 
-        Returns the ``(src, dst)`` pairs to pass to :func:`compiled_attn.ops.copy_blocks`.
+    def copy_on_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
+        """Before ``seq_id`` writes token ``position``: if its block there is shared, give
+        ``seq_id`` a block of its own and return ``(src, dst)`` for
+        :func:`compiled_attn.ops.copy_blocks` (the caller copies the contents); else ``None``.
+
+        Raises:
+            OutOfBlocksError: no free block for the copy.
         """
-        parent = self.block_tables[parent_id]
-        if len(parent) > self.num_free_blocks:
-            raise OutOfBlocksError(
-                f"fork of sequence {parent_id} needs {len(parent)} blocks, {self.num_free_blocks} free"
-            )
-        child = [self._take() for _ in parent]
-        self.block_tables[child_id] = child
-        return list(zip(parent, child))
+        table = self.block_tables[seq_id]
+        index = position // self.block_size
+        if index >= len(table) or self._refs[table[index]] == 1:
+            return None
+        if not self.num_free_blocks:
+            raise OutOfBlocksError(f"copy-on-write of sequence {seq_id} needs a free block, none is left")
+        src, dst = table[index], self._take()
+        self._refs[src] -= 1
+        table[index] = dst
+        return src, dst
 
     def free(self, seq_id: int) -> None:
         """Let go of all blocks of ``seq_id`` (no-op for unknown ids): a block no sequence

@@ -1,6 +1,7 @@
 """``compiled-attn`` command line: ``generate`` runs the decode loop on a model,
 ``bench`` times decode steps under several runtimes (CUDA), ``profile-report`` writes one
-offline HTML report of a ``--profile`` trace.
+offline HTML report of a ``--profile`` trace, ``train`` trains a byte-level DiffLlama on the
+standard library's source.
 
 Examples::
 
@@ -9,6 +10,8 @@ Examples::
     compiled-attn generate --device cuda --profile runs/trace --profile-shapes --profile-stack
     compiled-attn profile-report runs/trace             # runs/trace/<worker>.<ns>.report.html
     compiled-attn bench --batch-sizes 1 64
+    compiled-attn train --out runs/default              # the shipped ~7 M model (H200: a few minutes)
+    compiled-attn train --tiny --steps 50 --seq-len 128 --batch-rows 8 --no-compile   # CPU smoke run
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import torch
 
 from .benchmark import run_bench
 from .engine import Engine
-from .kv_cache import OutOfBlocksError
+from .kv_cache import KV_CACHE_DTYPES, OutOfBlocksError, calibrate_kv_scales
 from .models import build_random_model, default_config, load_diffllama
 from .ops.backends import compiled_variants
 from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
+from .train import add_train_arguments, run_train_command
 
 DEFAULT_PROMPTS = ("The differential transformer", "Paged attention keeps the KV cache in blocks")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -81,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
     gen.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                     help="KV-cache dtype: auto = the model's; fp8 (alias fp8_e4m3) = float8_e4m3fn, half the bytes")
+    gen.add_argument("--calculate-kv-scales", action="store_true",
+                     help="with an fp8 cache: per-layer scales max|k|/448, max|v|/448 from the prompts (default 1.0)")
+    gen.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
+                     help="most tokens a step computes; longer prompts are prefilled in chunks (default: no limit)")
+    gen.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from its first token")
     gen.add_argument("--num-blocks", type=_positive_int,
                      help="KV-cache blocks (default: 8 sequences of max length, at most 65536 tokens)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -99,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=256)
     bench.add_argument("--modes", nargs="+", default=["eager", "compiled", "graphs", "reduce-overhead", "hf"],
                        choices=["eager", "compiled", "graphs", "reduce-overhead", "hf"])
+    bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV-cache dtype of our engine's runtimes (auto = bfloat16, the model's)")
     bench.add_argument("--results-dir", type=Path, default=Path("profiling/results"),
                        help="where decode.md and decode.jsonl are appended")
     report = commands.add_parser("profile-report", help="write one self-contained HTML report of a --profile trace "
@@ -107,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, metavar="FILE", help="HTML file (default: <trace>.report.html beside it)")
     report.add_argument("--top", type=_positive_int, default=15, help="rows in the ops and kernels tables")
     report.add_argument("--timeline-steps", type=_positive_int, default=3, help="steps drawn in the timeline")
+    train = commands.add_parser("train", help="train a byte-level DiffLlama (or --plain Llama) on the Python "
+                                "standard library's source through our ops (see compiled_attn.train)")
+    add_train_arguments(train)
     return parser
 
 
@@ -143,9 +159,14 @@ def generate(args, tokenizer) -> dict:
         model = load_diffllama(args.model, dtype=dtype, device=args.device)
     load_seconds = time.perf_counter() - start
     prompts = _read_prompts(args, tokenizer)
+    if args.calculate_kv_scales and args.kv_cache_dtype == "auto":
+        raise ValueError("--calculate-kv-scales needs --kv-cache-dtype fp8 (or fp8_e4m3)")
+    kv_scales = calibrate_kv_scales(model, prompts) if args.calculate_kv_scales else None
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens)
     engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, compile=not args.no_compile,
-                    max_num_seqs=args.max_batch_size,
+                    max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    kv_cache_dtype=args.kv_cache_dtype, kv_scales=kv_scales,
                     cuda_graphs=args.device == "cuda" and not args.no_cuda_graphs,
                     async_decode=not args.no_async_decode)
     variants = compiled_variants()  # Triton kernels compiled so far (the engine warmed up)
@@ -165,6 +186,7 @@ def generate(args, tokenizer) -> dict:
         "model": str(args.model) if args.model else "embedded-default",
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "completions": [
             {"prompt_ids": c.prompt_ids, "generated_ids": c.output_ids,
              "text": tokenizer.decode(c.output_ids), "finish_reason": c.finish_reason}
@@ -229,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         try:
-            table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir)
+            table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir,
+                              kv_cache_dtype=args.kv_cache_dtype)
         except ValueError as err:
             print(f"compiled-attn: error: {err}", file=sys.stderr)
             return 2
@@ -242,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compiled-attn: error: {err}", file=sys.stderr)
             return 2
         print(f"report: {out}")
+        return 0
+    if args.command == "train":
+        try:
+            run_train_command(args)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"compiled-attn: error: {err}", file=sys.stderr)
+            return 2
         return 0
     try:
         tokenizer = load_tokenizer(args.model)

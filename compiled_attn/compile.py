@@ -106,7 +106,9 @@ class CompiledFunction:
             have the batch in dim 0; other arguments (KV-cache lists, flags) pass as is.
         stats: where compilations are counted (shared between functions); a new one by
             default.
-        **compile_kwargs: passed to ``torch.compile`` (``mode``, ``backend``, ...).
+        **compile_kwargs: passed to ``torch.compile`` (``mode``, ``backend``, ...);
+            ``fullgraph=True`` is accepted (and implied), so that it stands in for
+            ``torch.compile(fn, fullgraph=True)``.
 
     Call it as ``fn``.
 
@@ -127,6 +129,8 @@ class CompiledFunction:
     """
 
     def __init__(self, fn: Callable, stats: CompileStats | None = None, **compile_kwargs) -> None:
+        if compile_kwargs.pop("fullgraph", True) is not True:
+            raise ValueError("CompiledFunction always compiles with fullgraph=True; got fullgraph=False")
         self.fn = fn
         self.entry = _entry_point(fn)
         self.compiled = torch.compile(self.entry, fullgraph=True, **compile_kwargs)

@@ -19,6 +19,7 @@ host has seen the previous tokens. Everything runs in order on one CUDA stream.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -32,7 +33,7 @@ from torch.profiler import record_function
 
 from .compile import CompiledFunction, CompileStats
 from .graphs import default_capture_sizes
-from .kv_cache import KVCache, OutOfBlocksError
+from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
 from .layers import Attention, DifferentialAttention
 from .model_runner import InflightStep, ModelRunner
 from .ops.backends import TRITON_AVAILABLE
@@ -119,10 +120,16 @@ class Engine:
             own tokens.
         warmup: run :meth:`warmup` at the end of construction, so that compiling (Dynamo,
             Inductor, Triton) and graph capture happen before the first request.
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"`` / ``"fp8_e4m3"`` (a
+            float8_e4m3fn cache with per-layer scales: half of bfloat16's bytes per token;
+            vLLM's ``kv_cache_dtype``). See :mod:`compiled_attn.kv_cache`.
+        kv_scales: fp8 only: one ``(k_scale, v_scale)`` pair of floats per cache layer, e.g.
+            from :func:`~compiled_attn.kv_cache.calibrate_kv_scales`; default 1.0.
 
     Raises:
         ValueError: bad sizes (``max_num_batched_tokens`` below ``block_size``), CUDA graphs
-            asked for a CPU model.
+            asked for a CPU model, an unknown ``kv_cache_dtype``, bad ``kv_scales`` (or
+            ``kv_scales`` without an fp8 cache).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int | None = None,
@@ -130,7 +137,8 @@ class Engine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  compile: bool = True, compile_kwargs: dict | None = None,
                  cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
-                 async_decode: bool = True, warmup: bool = True) -> None:
+                 async_decode: bool = True, warmup: bool = True, kv_cache_dtype: str = "auto",
+                 kv_scales: Sequence[tuple[float, float]] | None = None) -> None:
         config = model.config
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
@@ -150,13 +158,15 @@ class Engine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)  # a torch dtype
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         if num_blocks is None:
             num_blocks = min(8 * self.max_blocks_per_seq, -(-DEFAULT_CACHE_TOKENS // block_size))
         with engine_mode():  # never inference tensors: the steps write them in place
             self.kv_cache = KVCache.allocate(
                 model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
-                config.head_dim, self.dtype, self.device, prefix_caching=enable_prefix_caching,
+                config.head_dim, self.kv_cache_dtype, self.device, prefix_caching=enable_prefix_caching,
+                kv_scales=kv_scales,
             )
             self.compile_stats = CompileStats() if compile else None
             forward = CompiledFunction(model, self.compile_stats, **(compile_kwargs or {})) if compile else model
@@ -190,7 +200,8 @@ class Engine:
         Raises:
             TypeError: a token id that is not an integer (e.g. a float).
             ValueError: empty or out-of-vocabulary prompt, longer than ``max_model_len``
-                with ``max_new_tokens``; ``seed`` outside ``[0, 2**63)``.
+                with ``max_new_tokens``; ``seed`` outside ``[0, 2**63)``; ``params.n``
+                above ``max_num_seqs``.
             OutOfBlocksError: the request alone needs more blocks than the cache has.
         """
         try:
@@ -200,6 +211,9 @@ class Engine:
         self._check_prompt(prompt, params, name)
         if seed is not None:
             check_seed(seed)
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"params.n={params.n} samples cannot run beside each other with "
+                             f"max_num_seqs={self.max_num_seqs}")
         request_id = next(self._ids)
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
@@ -265,9 +279,11 @@ class Engine:
             self.timings.overlapped_steps += 1
             return finished
         finished = self._drain() if self._inflight is not None else []
-        chunks = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
+        chunks = scheduled.chunks
         if not chunks:
             return finished
+        self.runner.copy_blocks(scheduled.copies)
         if len(chunks) == len(running) and all(c.num_tokens == 1 and c.request.decoding for c in chunks):
             if self.cuda_graphs and self.runner.graph_runner is None:
                 self.capture()
@@ -281,10 +297,21 @@ class Engine:
         return finished
 
     def _run_chunks(self, chunks: list[Chunk]) -> list[Request]:
-        """A mixed step (prefill chunks and decode rows); returns the requests it finished."""
+        """A mixed step (prefill chunks and decode rows); returns the requests it finished.
+
+        A request with ``n > 1`` samples whose prompt this step completes gets its other
+        ``n - 1`` samples here, each drawing its first token from the same logits."""
         start = time.perf_counter()
+        draws = [(i, c.request) for i, c in enumerate(chunks)]  # (chunk, request drawing a token)
+        for i, chunk in enumerate(chunks):
+            parent = chunk.request
+            if chunk.completes and parent.params.n > 1 and not parent.samples and not parent.output_ids:
+                params = dataclasses.replace(parent.params, n=1, seed=None)
+                parent.samples = [Request(next(self._ids), parent.prompt_ids, params,
+                                          (parent.seed * 1_000_003 + k) % (1 << 63)) for k in range(1, parent.params.n)]
+                draws += [(i, child) for child in parent.samples]
         with record_function("prefill"):
-            tokens = self.runner.run_chunks(chunks)
+            tokens = self.runner.run_chunks(chunks, draws)
         finished = []
         for chunk, token in zip(chunks, tokens):
             completes, decode_row = chunk.completes, chunk.request.decoding
@@ -295,6 +322,10 @@ class Engine:
                 self.timings.prefill_tokens += chunk.num_tokens
             if completes and self._append(chunk.request, token):
                 finished.append(chunk.request)
+        for (i, child), token in zip(draws[len(chunks):], tokens[len(chunks):]):
+            self.scheduler.fork(chunks[i].request, child)
+            if self._append(child, token):
+                finished.append(child)
         self.timings.prefill_seconds += time.perf_counter() - start
         return self._finish(finished)
 
@@ -435,7 +466,9 @@ class Engine:
             for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
                                  if isinstance(m, Attention)}:
                 variant = dict(differential=differential, dtype=self.dtype, device=self.device)
-                batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant)]
+                # an fp8 cache's prefills attend over the paged cache (see compiled_attn.layers.attention)
+                paged_prefill = dict(max_kv_len=max_kv_len) if self.kv_cache_dtype == torch.float8_e4m3fn else {}
+                batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant, **paged_prefill)]
                 batches += [(b, 1, 2) for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
         return [batch for batch in dict.fromkeys(batches) if self._fits(*batch)]
 
@@ -460,13 +493,18 @@ class Engine:
             on_step: called after every step (e.g. :meth:`StepProfiler.step`).
 
         Returns:
-            The finished requests in prompt order, and the timings of this call.
+            The finished requests in prompt order (with ``n > 1``, each request's other
+            samples in its ``samples``), and the timings of this call.
 
         Raises:
+            TypeError: ``params`` that is not a SamplingParams or a sequence of them.
             ValueError: no prompts, a params list of the wrong length, bad prompts (see
                 :meth:`add_request`); nothing is queued then.
             OutOfBlocksError: a request can never fit the cache.
         """
+        if not isinstance(params, SamplingParams) and not (isinstance(params, Sequence) and all(
+                isinstance(p, SamplingParams) for p in params)):
+            raise TypeError(f"params must be a SamplingParams or a sequence of them, got {type(params).__name__}")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if not prompts:
             raise ValueError("prompts must hold at least one prompt")

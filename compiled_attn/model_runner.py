@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, decode_step
 from .kv_cache import KVCache
 from .metadata import SequenceChunk, build_metadata
+from .ops import copy_blocks
 from .scheduler import Chunk, Request
 
 
@@ -89,9 +90,18 @@ class ModelRunner:
         self.decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in the buffers
         self._blocks_written: list[int] = []  # per buffer row, block-table entries written
 
-    def run_chunks(self, chunks: list[Chunk]) -> list[int]:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(src, dst)`` in every layer (copy-on-write of shared blocks)."""
+        if copies:
+            self.decode_layout = None  # a row's block table changed in place: rewrite the buffers
+            copy_blocks([layer[0] for layer in self.kv_cache.layers], [layer[1] for layer in self.kv_cache.layers],
+                        torch.tensor(copies, dtype=torch.int64, device=self.device))
+
+    def run_chunks(self, chunks: list[Chunk], samples: list[tuple[int, Request]] | None = None) -> list[int]:
         """One forward over ``chunks`` (prefill chunks and decode rows, in any mix); returns
-        each chunk's sampled token (meaningful for chunks that complete their request)."""
+        one sampled token per ``samples`` entry ``(chunk index, request whose sampling
+        parameters and seed draw it)``, by default one per chunk with its own request
+        (meaningful for chunks that complete their request)."""
         allocator = self.kv_cache.allocator
         md = build_metadata(
             [SequenceChunk(c.request.token_ids(c.request.num_computed, c.request.num_computed + c.num_tokens),
@@ -102,14 +112,17 @@ class ModelRunner:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        requests = [c.request for c in chunks]
+        samples = samples or [(i, c.request) for i, c in enumerate(chunks)]
+        requests = [r for _, r in samples]
         logits = self.forward(md, self.kv_cache.layers)
+        if len(samples) != len(chunks):
+            logits = logits[column([i for i, _ in samples], torch.int64)]
         tokens = self.sampler(
             logits,
             column([r.params.temperature for r in requests], torch.float32),
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
-            column([c.request.num_computed + c.num_tokens for c in chunks], torch.int64),
+            column([chunks[i].request.num_computed + chunks[i].num_tokens for i, _ in samples], torch.int64),
         )
         return tokens.tolist()
 

@@ -40,16 +40,21 @@ class SamplingParams:
         max_new_tokens: stop after this many generated tokens.
         seed: the request's random seed; ``None`` lets the engine derive one from its
             own seed and the request's index.
+        n: completions of the prompt (parallel sampling, vLLM's ``n``): the prompt is
+            computed once and its blocks are shared, sample ``i > 0`` drawing with seed
+            ``(seed * 1_000_003 + i) mod 2**63``.
 
     Raises:
-        TypeError: ``max_new_tokens`` not an int.
-        ValueError: negative or infinite temperature, ``top_p`` outside ``(0, 1]``, ``max_new_tokens < 1``.
+        TypeError: ``max_new_tokens`` or ``n`` not an int.
+        ValueError: negative or infinite temperature, ``top_p`` outside ``(0, 1]``,
+            ``max_new_tokens < 1``, ``n < 1``.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also NaN
@@ -60,6 +65,10 @@ class SamplingParams:
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise TypeError(f"n must be an int, got {self.n!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
         if self.seed is not None:
             check_seed(self.seed)
         object.__setattr__(self, "temperature", float(self.temperature))

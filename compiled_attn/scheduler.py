@@ -13,8 +13,10 @@ last sampled one); a request preempted and re-admitted recomputes prompt and out
 :meth:`Scheduler.schedule` takes the running requests first, oldest first, then admits
 waiting ones (first come, first served), within ``max_num_seqs`` requests and
 ``max_num_batched_tokens`` tokens a step (vLLM's chunked prefill: a prompt longer than what is
-left of the budget runs in chunks over several steps, beside the decode rows). Blocks are
-allocated as sequences grow; when the cache runs out for a running request, the newest
+left of the budget runs in chunks over several steps, beside the decode rows). A request
+with ``n > 1`` samples takes ``n`` running slots; its prompt is computed once, then forked
+into ``n`` sequences that share its blocks, a shared block being copied when one of them
+first writes it (copy-on-write). Blocks are allocated as sequences grow; when the cache runs out for a running request, the newest
 running request is preempted (its blocks freed; its full blocks stay in the prefix cache)
 and goes back to the front of the queue. No request is lost, and the tokens equal those of
 an engine with room to spare.
@@ -45,6 +47,8 @@ class Request:
         num_computed: tokens whose K/V are in the cache.
         num_cached: prompt tokens found in the prefix cache at its (last) admission.
         num_preemptions: times it was preempted.
+        samples: with ``params.n > 1``, the other ``n - 1`` completions of its prompt
+            (requests forked from this one when its prompt was computed), else empty.
     """
 
     request_id: int
@@ -56,6 +60,7 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0
     num_preemptions: int = 0
+    samples: list["Request"] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +79,15 @@ class Request:
     def decode_row(self, block_table: Sequence[int]) -> DecodeRow:
         return DecodeRow(self.output_ids[-1], self.num_tokens - 1, block_table,
                          self.params.temperature, self.params.top_p, self.seed)
+
+
+@dataclass
+class Step:
+    """One step's work: ``chunks``, and ``copies``, the ``(src, dst)`` block copies to make
+    before it (copy-on-write of blocks shared by parallel samples)."""
+
+    chunks: list["Chunk"]
+    copies: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -117,11 +131,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
-        """The chunks of the next step (empty when nothing can run); allocates their blocks,
-        preempting as needed, and admits waiting requests."""
+    def schedule(self) -> Step:
+        """The next step (no chunks when nothing can run); allocates their blocks (copying a
+        shared block a chunk writes), preempting as needed, and admits waiting requests."""
         budget = self.max_num_batched_tokens or float("inf")
         chunks: list[Chunk] = []
+        self._copies: list[tuple[int, int]] = []
         preempted = False
         for request in list(self.running):
             if request not in self.running:  # preempted by an older request of this step
@@ -138,7 +153,8 @@ class Scheduler:
             else:
                 chunks.append(Chunk(request, count))
                 budget -= count
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and not preempted and budget > 0 and \
+                self._slots() + self._rows(self.waiting[0]) <= self.max_num_seqs:
             request = self.waiting[0]
             request.num_computed = request.num_cached = self.allocator.allocate_prefix(
                 request.request_id, request.token_ids(0, request.num_tokens))
@@ -150,11 +166,20 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             chunks.append(Chunk(request, count))
             budget -= count
-        return chunks
+        return Step(chunks, self._copies)
+
+    def _slots(self) -> int:
+        """Running slots taken (``max_num_seqs`` bounds them)."""
+        return sum(self._rows(r) for r in self.running)
+
+    @staticmethod
+    def _rows(request: Request) -> int:
+        """Running slots ``request`` takes once admitted: its ``n`` samples before they fork."""
+        return request.params.n if request.num_tokens == len(request.prompt_ids) and not request.samples else 1
 
     def can_admit(self) -> bool:
         """Whether a waiting request would be admitted now (ignoring the prefix cache)."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
+        if not self.waiting or self._slots() + self._rows(self.waiting[0]) > self.max_num_seqs:
             return False
         request = self.waiting[0]
         count = min(request.num_tokens, self.max_num_batched_tokens or request.num_tokens)
@@ -169,10 +194,15 @@ class Scheduler:
         return min(end + (end == request.num_tokens), self.max_model_len)
 
     def _fits(self, request: Request, count: int) -> bool:
+        """Allocate what computing ``count`` more tokens of ``request`` needs, a private copy
+        of a shared block it writes included; False when the cache has no room."""
         try:
             self.allocator.allocate(request.request_id, self._tokens_to_hold(request, count))
+            copy = self.allocator.copy_on_write(request.request_id, request.num_computed)
         except OutOfBlocksError:
             return False
+        if copy is not None:
+            self._copies.append(copy)
         return True
 
     def preempt(self, request: Request) -> None:
@@ -191,6 +221,13 @@ class Scheduler:
         if request.num_computed // self.allocator.block_size > self.allocator.num_hashed(request.request_id):
             self.allocator.cache_full_blocks(request.request_id, request.token_ids(0, request.num_computed),
                                              request.num_computed)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` beside ``parent`` from here on, sharing its blocks (see
+        :meth:`BlockAllocator.fork`) and its computed tokens."""
+        self.allocator.fork(parent.request_id, child.request_id)
+        child.num_computed = parent.num_computed
+        self.running.append(child)
 
     def finish(self, request: Request) -> None:
         """Take a finished request out and free its blocks."""

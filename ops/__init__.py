@@ -7,9 +7,11 @@ Triton kernels on CUDA):
 =============================  ============================================================
 op                             semantics
 =============================  ============================================================
-``reshape_and_cache``          write k/v into the paged cache (slot -1 skipped)
+``reshape_and_cache``          write k/v into the paged cache (slot -1 skipped); an fp8
+                               (float8_e4m3fn) cache stores ``x / k_scale``, ``x / v_scale``
 ``paged_attention``            queries vs. paged cache (prefill/decode/mixed), flash-attn
-                               ``flash_attn_with_kvcache``; differential with ``lambda_full``
+                               ``flash_attn_with_kvcache``; differential with ``lambda_full``;
+                               reads an fp8 cache as ``cache * k_scale``, ``cache * v_scale``
 ``varlen_attention``           ``flash_attn_varlen_func`` over contiguous k/v; differential
                                with ``lambda_full``; has a backward
 ``varlen_attention_backward``  its gradients

@@ -8,6 +8,9 @@ over on CUDA (:mod:`.backends`). Schema tails, shared by both ops::
     Tensor? lambda_full, float scale, bool causal, SymInt window_left, SymInt window_right,
     float softcap, Tensor? alibi_slopes, Tensor? scale_softcap
 
+``paged_attention`` ends with ``Tensor? k_scale=None, Tensor? v_scale=None``: the
+dequantization scales of a float8_e4m3fn KV cache (vLLM's fp8 KV cache).
+
 ``scale_softcap`` (float32 ``[2]``) carries ``(scale, softcap)`` as tensor values, which then
 replace the two float arguments (a softcap of 0 still turns capping off). Under
 ``torch.compile`` a float argument that changes between calls would specialize the graph
@@ -26,9 +29,9 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .library import define_op
+from .library import LIBRARY, define_op
 from .validation import check_call_options, check_paged_args, check_scalars, check_varlen_args
-from .value_checks import check_paged_values, check_varlen_values, should_check
+from .value_checks import check_kv_scale_values, check_paged_values, check_varlen_values, should_check
 
 Window = tuple[int, int]
 
@@ -48,22 +51,26 @@ def resolve_scalars(scale: float, softcap: float, scale_softcap: Tensor | None):
 
 
 def _paged_reference(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-                     scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap):
+                     scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap,
+                     k_scale=None, v_scale=None):
     scale, softcap = resolve_scalars(scale, softcap, scale_softcap)
     return reference.paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                                     lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes)
+                                     lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                     k_scale, v_scale)
 
 
 def _paged_fake(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-                scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap):
+                scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap,
+                k_scale=None, v_scale=None):
     check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-                     window_left, window_right, softcap, alibi_slopes, scale_softcap)
+                     window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale, v_scale)
     return query.new_empty(output_shape(query, lambda_full is not None))  # kernels return contiguous
 
 
 PAGED_ATTENTION = define_op(
     "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-    f"Tensor seq_lens, Tensor block_table, {OPTIONS_SCHEMA}) -> Tensor",
+    f"Tensor seq_lens, Tensor block_table, {OPTIONS_SCHEMA}, Tensor? k_scale=None, "
+    "Tensor? v_scale=None) -> Tensor",
     _paged_reference, _paged_fake)
 
 
@@ -85,6 +92,19 @@ VARLEN_ATTENTION = define_op(
     "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     f"{OPTIONS_SCHEMA}) -> Tensor",
     _varlen_reference, _varlen_fake)
+
+
+def _paged_setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _paged_backward(ctx, grad_out):
+    raise NotImplementedError(
+        "paged_attention has no backward (it reads a KV cache, for inference); for gradients "
+        "use compiled_attn.ops.varlen_attention over contiguous k/v")
+
+
+torch.library.register_autograd(PAGED_ATTENTION, _paged_backward, setup_context=_paged_setup_context, lib=LIBRARY)
 
 
 # --- public API ----------------------------------------------------------------------------
@@ -112,7 +132,8 @@ def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
     seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor | None = None, *,
     scale: float | None = None, causal: bool = True, window_size: Window = (-1, -1),
-    softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0, alibi_slopes: Tensor | None = None, k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Attention of packed queries against a paged KV cache; plain or differential.
 
@@ -128,8 +149,9 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_size]`` float16, bfloat16 or float32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``,
-            query's dtype; ``num_heads % num_kv_heads == 0``; ``head_size`` any int
-            from 1 to 256 (as flash-attn).
+            query's dtype or ``torch.float8_e4m3fn`` (an fp8 KV cache, any query dtype);
+            ``num_heads % num_kv_heads == 0``; ``head_size`` any int from 1 to 256 (as
+            flash-attn).
         cu_seqlens_q: ``[num_seqs + 1]`` int32, cumulative query counts starting at 0.
         seq_lens: ``[num_seqs]`` int32, keys per sequence (context + new tokens).
         block_table: ``[num_seqs, max_blocks_per_seq]`` int32 block ids.
@@ -143,27 +165,39 @@ def paged_attention(
         window_size: ``(left, right)`` sliding window in tokens, ``-1`` unbounded.
         softcap: ``> 0`` applies ``softcap * tanh(score / softcap)``.
         alibi_slopes: ``[num_heads]`` float32 or ``None``.
+        k_scale, v_scale: float8_e4m3fn caches only: float32 tensors of shape ``[]`` or
+            ``[1]``, finite and > 0, or ``None`` (1). The cache holds ``x / scale`` in fp8
+            (:func:`~compiled_attn.ops.reshape_and_cache`) and attention reads
+            ``k = key_cache.to(float32) * k_scale``, ``v = value_cache.to(float32) * v_scale``
+            (vLLM's fp8 KV cache: ``kv_cache_dtype="fp8"``, ``k_scale``, ``v_scale``). The
+            kernels dequantize in registers: fp8 converts exactly to the query's dtype,
+            ``k_scale`` multiplies the softmax scale and ``v_scale`` the output.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` (plain) or
         ``[num_tokens, num_heads // 2, 2 * head_size]`` (differential), query's dtype.
 
     Raises:
-        TypeError: wrong dtype (e.g. ``block_table`` not int32), ``scale``, ``softcap`` or
-            ``window_size`` of the wrong type.
-        ValueError: inconsistent shapes, unsupported head size or head counts, and when
+        TypeError: wrong dtype (e.g. ``block_table`` not int32, a cache neither the
+            query's dtype nor float8_e4m3fn, a scale not float32), ``scale``, ``softcap``,
+            ``window_size`` or ``causal`` of the wrong type.
+        ValueError: inconsistent shapes, unsupported head size or head counts, ``k_scale``
+            or ``v_scale`` with a cache that is not fp8 or of more than one element, and when
             eager: block ids outside the cache, ``seq_lens`` beyond the block table,
-            malformed ``cu_seqlens_q``, ``scale`` not finite and > 0, ``softcap`` < 0.
+            malformed ``cu_seqlens_q``, ``scale`` not finite and > 0, ``softcap`` < 0,
+            ``k_scale``/``v_scale`` not finite and > 0.
     """
-    window_left, window_right = check_call_options(scale, window_size, softcap)
+    window_left, window_right = check_call_options(scale, window_size, softcap, causal)
     if not torch.compiler.is_compiling():
         check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-                         window_left, window_right, softcap, alibi_slopes)
+                         window_left, window_right, softcap, alibi_slopes, None, k_scale, v_scale)
     scale, softcap, scale_softcap = _scalars(query, scale, softcap)
     if should_check(query):
         check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table)
+        check_kv_scale_values(k_scale, v_scale)
     return PAGED_ATTENTION(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-                           scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
+                           scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap,
+                           k_scale, v_scale)
 
 
 def varlen_attention(
@@ -193,7 +227,7 @@ def varlen_attention(
         TypeError, ValueError: as :func:`paged_attention` (malformed ``cu_seqlens_q`` or
         ``cu_seqlens_k`` when eager).
     """
-    window_left, window_right = check_call_options(scale, window_size, softcap)
+    window_left, window_right = check_call_options(scale, window_size, softcap, causal)
     if not torch.compiler.is_compiling():
         check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left, window_right,
                           softcap, alibi_slopes)

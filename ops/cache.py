@@ -3,7 +3,9 @@
 Ops of the ``compiled_attn`` namespace (defined as :mod:`.library` says) that write the
 paged cache in place (their schemas mark the written tensors ``(a!)``), with the reference
 of :mod:`compiled_attn.ops.reference` on every device; faster kernels register on top.
-Semantics follow vLLM's ``reshape_and_cache_flash``, ``copy_blocks`` and ``swap_blocks``.
+Semantics follow vLLM's ``reshape_and_cache_flash``, ``copy_blocks`` and ``swap_blocks``;
+a cache may be float8_e4m3fn (vLLM's ``kv_cache_dtype="fp8"``), written with the
+``k_scale``/``v_scale`` arguments of ``reshape_and_cache``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import Tensor
 from . import reference
 from .library import define_op
 from .validation import (
-    FLOAT_DTYPES,
+    CACHE_DTYPES,
     check_block_mapping,
     check_cache_pair,
     check_cache_write_args,
@@ -22,19 +24,20 @@ from .validation import (
     check_dtype,
     check_ndim,
 )
-from .value_checks import check_slot_values, should_check
+from .value_checks import check_kv_scale_values, check_slot_values, should_check
 
 PAD_SLOT_ID = -1
 """Slot of a token that must not be written (padding rows of a captured batch)."""
 
 
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
-    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None,
+                            v_scale=None) -> None:
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 RESHAPE_AND_CACHE = define_op(
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor slot_mapping) -> ()",
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     reference.reshape_and_cache, _reshape_and_cache_fake)
 
 COPY_BLOCKS = define_op(
@@ -47,26 +50,40 @@ SWAP_BLOCKS = define_op(
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                      slot_mapping: Tensor) -> None:
+                      slot_mapping: Tensor, *, k_scale: Tensor | None = None,
+                      v_scale: Tensor | None = None) -> None:
     """Write new keys and values into the paged cache (in place).
 
     Token ``t`` goes to block ``slot_mapping[t] // block_size``, offset
     ``slot_mapping[t] % block_size``; a slot of ``PAD_SLOT_ID`` (-1) is skipped.
 
+    A float8_e4m3fn cache (vLLM's fp8 KV cache, ``reshape_and_cache_flash`` with
+    ``kv_cache_dtype="fp8"``, ``k_scale``, ``v_scale``) stores
+    ``(key / k_scale).to(float8_e4m3fn)`` computed in float32, saturating to +-448 (the
+    nearest float8 value, ties to even; NaN stays NaN), and the same for values with
+    ``v_scale``; :func:`~compiled_attn.ops.paged_attention` reads it back as
+    ``cache.to(float32) * k_scale``.
+
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype, or for a
+            float8_e4m3fn cache one dtype among float16, bfloat16, float32.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``,
+            float16, bfloat16, float32 or float8_e4m3fn.
         slot_mapping: ``[num_tokens]`` int64.
+        k_scale, v_scale: float8_e4m3fn caches only: float32 ``[]`` or ``[1]`` tensors,
+            finite and > 0, on the cache's device, or ``None`` (1).
 
     Raises:
-        TypeError: wrong dtypes. ValueError: shapes that disagree and, when eager, slots
-        outside ``[-1, num_blocks * block_size)``.
+        TypeError: wrong dtypes. ValueError: shapes that disagree, scales given with a
+        cache that is not fp8 and, when eager, slots outside ``[-1, num_blocks *
+        block_size)``, scales not finite and > 0.
     """
     if not torch.compiler.is_compiling():
-        check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
+        check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         if should_check(slot_mapping):
             check_slot_values(key_cache, slot_mapping)
-    RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping)
+            check_kv_scale_values(k_scale, v_scale)
+    RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapping: Tensor) -> None:
@@ -90,8 +107,11 @@ def copy_blocks(key_caches: list[Tensor], value_caches: list[Tensor], block_mapp
             f"key_caches and value_caches must be non-empty lists of equal length, got "
             f"{len(key_caches)} and {len(value_caches)}"
         )
-    for key_cache, value_cache in zip(key_caches, value_caches):
-        check_cache_pair(key_cache, value_cache)
+    for layer, (key_cache, value_cache) in enumerate(zip(key_caches, value_caches)):
+        try:
+            check_cache_pair(key_cache, value_cache)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"layer {layer} (key_caches[{layer}], value_caches[{layer}]): {error}") from None
     num_blocks = {c.shape[0] for c in (*key_caches, *value_caches)}
     if len(num_blocks) != 1:
         raise ValueError(f"all caches must have the same number of blocks, got {sorted(num_blocks)}")
@@ -105,7 +125,8 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     """Copy blocks between two caches, typically GPU <-> CPU: ``dst[d] = src[s]``.
 
     Args:
-        src, dst: ``[num_blocks_*, block_size, Hkv, D]`` of one dtype, any devices.
+        src, dst: ``[num_blocks_*, block_size, Hkv, D]`` of one dtype (float16, bfloat16,
+            float32 or float8_e4m3fn), any devices.
         block_mapping: ``[num_pairs, 2]`` int64 rows ``(s, d)``, on the CPU or ``src``'s
             device.
 
@@ -114,7 +135,7 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
             mismatch, caches not 4-D, bad ``block_mapping``, repeated destinations.
     """
     for name, cache in (("src", src), ("dst", dst)):
-        check_dtype(name, cache, FLOAT_DTYPES)
+        check_dtype(name, cache, CACHE_DTYPES)
         check_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     if src.dtype != dst.dtype:
         raise TypeError(f"src and dst must share a dtype, got {src.dtype} and {dst.dtype}")

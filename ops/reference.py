@@ -173,14 +173,16 @@ def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_
 
 def paged_attention(
     query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
-    scale, causal, window_left, window_right, softcap, alibi_slopes,
+    scale, causal, window_left, window_right, softcap, alibi_slopes, k_scale=None, v_scale=None,
 ):
     """Plain or differential (``lambda_full`` given) attention over a paged KV cache.
 
     Shapes as in :func:`compiled_attn.ops.paged_attention`. Gathers every sequence's keys,
     up to the longest one's, from the blocks of its table (entries past a sequence's last
     block are never read, so they may hold anything), then attends the whole batch at
-    once (:func:`_attend`). Returns a new tensor in the query's dtype.
+    once (:func:`_attend`). A float8_e4m3fn cache is dequantized as it is gathered,
+    ``k = cache.to(float32) * k_scale`` (and ``v`` with ``v_scale``; ``None`` = 1; float64
+    with a float64 query), as vLLM's fp8 KV cache. Returns a new tensor in the query's dtype.
     """
     k_lens = seq_lens.tolist()
     max_k = max(k_lens, default=0)
@@ -199,8 +201,14 @@ def paged_attention(
         # [slots, Hkv, D]: a view (a copy only for a cache view whose blocks are not evenly strided)
         key_cache, value_cache = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
     rows = (-1, num_seqs * num_kv_heads, head_size)
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # gathered as bytes (index_select has no float8 kernel on every device)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key = key_cache.index_select(0, index).view(rows)[:max_k]
     value = value_cache.index_select(0, index).view(rows)[:max_k]
+    if fp8:
+        key = dequantize(key.view(torch.float8_e4m3fn), k_scale, _compute_dtype(query.dtype))
+        value = dequantize(value.view(torch.float8_e4m3fn), v_scale, _compute_dtype(query.dtype))
     return _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_full,
                    scale, causal, window_left, window_right, softcap, alibi_slopes)
 
@@ -227,15 +235,41 @@ def varlen_attention(
                    scale, causal, window_left, window_right, softcap, alibi_slopes)
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+
+def quantize(x, scale):
+    """``(x / scale).to(float8_e4m3fn)`` computed in float32 (``scale=None``: 1), rounded to
+    nearest even and saturating to +-448 (clamped first, so the result does not depend on
+    how a conversion treats overflow; NaN stays NaN): what vLLM's ``reshape_and_cache_flash``
+    stores with ``kv_cache_dtype="fp8"`` (``__NV_SATFINITE``)."""
+    x = x.to(torch.float32)
+    if scale is not None:
+        x = x / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(cache, scale, dtype=torch.float32):
+    """``cache.to(dtype) * scale`` (``scale=None``: 1) of a float8_e4m3fn cache."""
+    x = cache.to(dtype)
+    return x if scale is None else x * scale.to(dtype)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     """Write ``key/value[t]`` to slot ``slot_mapping[t]`` of the paged caches; skip -1.
 
     One ``index_copy_`` per cache over its slots (block and offset dims merged), after
     dropping padding rows if there are any; caches whose block and offset dims do not merge
-    into one (some strided views) are written by block and offset instead."""
+    into one (some strided views) are written by block and offset instead. A float8_e4m3fn
+    cache stores :func:`quantize` of the rows with ``k_scale``/``v_scale``, written as bytes
+    (``index_copy_`` has no float8 kernel)."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if key_cache.dtype == torch.float8_e4m3fn:
+        key, value = quantize(key, k_scale).view(torch.uint8), quantize(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     for cache, rows in ((key_cache, key), (value_cache, value)):
         num_blocks, block_size = cache.shape[:2]
         if cache.stride(0) == block_size * cache.stride(1):

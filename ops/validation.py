@@ -18,6 +18,12 @@ import math
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+"""The quantized KV-cache dtype (vLLM's ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``)."""
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
+"""What a paged KV cache may hold: a float dtype of the model, or float8_e4m3fn."""
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value; quantized keys and values saturate to +-448."""
 MAX_HEAD_SIZE = 256
 
 
@@ -63,18 +69,28 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"all tensors must be on one device, got {where}")
 
 
-def check_call_options(scale, window_size, softcap) -> tuple[int, int]:
+def _shown(value) -> str:
+    """``value`` for an error message: a tensor by its type and shape only (printing its
+    values would break tracing), anything else as its repr."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_call_options(scale, window_size, softcap, causal=True) -> tuple[int, int]:
     """Types of the public attention functions' options; returns ``window_size`` as
     ``(left, right)``. Reads no float value, so it runs while tracing too.
 
     Raises:
         TypeError: ``scale`` not a real number or ``None``, ``softcap`` not a real number,
-            ``window_size`` not a pair of ints.
+            ``window_size`` not a pair of ints, ``causal`` not a bool.
     """
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+        raise TypeError(f"scale must be a float or None, got {_shown(scale)}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__} {softcap!r}")
+        raise TypeError(f"softcap must be a float, got {_shown(softcap)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {_shown(causal)}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
@@ -123,8 +139,31 @@ def check_extras(num_heads: int, lambda_full, alibi_slopes, scale_softcap) -> No
             raise ValueError(f"scale_softcap must have shape [2] (scale, softcap), got {tuple(scale_softcap.shape)}")
 
 
+def check_kv_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """``k_scale``/``v_scale`` (each ``None`` or a float32 tensor of one element, ``[]`` or
+    ``[1]``) of a ``float8_e4m3fn`` cache; ``None`` means 1. (Devices: ``check_same_device``;
+    values: :func:`~.value_checks.check_kv_scale_values`.)
+
+    Raises:
+        TypeError: a scale that is not a float32 tensor.
+        ValueError: a scale of more than one element, or given with a cache that is not
+            float8_e4m3fn (the scales are those of vLLM's fp8 KV cache).
+    """
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        check_dtype(name, scale, (torch.float32,))
+        if scale.dim() > 1 or scale.numel() != 1:
+            raise ValueError(f"{name} must be a float32 tensor of shape [] or [1], got shape {tuple(scale.shape)}")
+        if key_cache.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{name} applies to a {FP8_DTYPE} KV cache only (kv_cache_dtype 'fp8'); the cache is "
+                f"{key_cache.dtype}: pass {name}=None"
+            )
+
+
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    check_dtype("key_cache", key_cache, FLOAT_DTYPES)
+    check_dtype("key_cache", key_cache, CACHE_DTYPES)
     check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(
@@ -135,13 +174,16 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
 
 def check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
                      lambda_full, window_left, window_right, softcap, alibi_slopes,
-                     scale_softcap=None) -> None:
-    """Shape and dtype checks of paged attention (plain or differential)."""
+                     scale_softcap=None, k_scale=None, v_scale=None) -> None:
+    """Shape and dtype checks of paged attention (plain or differential). The cache holds
+    the query's dtype, or float8_e4m3fn with any query dtype (scales: :func:`check_kv_scales`)."""
     check_dtype("query", query, FLOAT_DTYPES)
     check_ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
     check_cache_pair(key_cache, value_cache)
-    if key_cache.dtype != query.dtype:
-        raise TypeError(f"key_cache dtype {key_cache.dtype} must equal query dtype {query.dtype}")
+    if key_cache.dtype not in (query.dtype, FP8_DTYPE):
+        raise TypeError(f"key_cache dtype {key_cache.dtype} must equal query dtype {query.dtype} "
+                        f"or be {FP8_DTYPE} (an fp8 KV cache)")
+    check_kv_scales(key_cache, k_scale, v_scale)
     if key_cache.shape[3] != query.shape[2]:
         raise ValueError(
             f"head_size of key_cache ({key_cache.shape[3]}) must equal query's ({query.shape[2]})"
@@ -165,7 +207,8 @@ def check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, bloc
     check_extras(query.shape[1], lambda_full, alibi_slopes, scale_softcap)
     check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
-                      lambda_full=lambda_full, alibi_slopes=alibi_slopes, scale_softcap=scale_softcap)
+                      lambda_full=lambda_full, alibi_slopes=alibi_slopes, scale_softcap=scale_softcap,
+                      k_scale=k_scale, v_scale=v_scale)
 
 
 def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
@@ -196,17 +239,21 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
                       lambda_full=lambda_full, alibi_slopes=alibi_slopes, scale_softcap=scale_softcap)
 
 
-def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Shape and dtype checks of ``reshape_and_cache``."""
+def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, k_scale=None,
+                           v_scale=None) -> None:
+    """Shape and dtype checks of ``reshape_and_cache``: key and value of one float dtype,
+    the cache's, or any float dtype for a float8_e4m3fn cache (scales: :func:`check_kv_scales`)."""
     check_dtype("key", key, FLOAT_DTYPES)
     check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     check_cache_pair(key_cache, value_cache)
     if value.shape != key.shape:
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+    if value.dtype != key.dtype or (key.dtype != key_cache.dtype and key_cache.dtype != FP8_DTYPE):
         raise TypeError(
-            f"key/value dtype ({key.dtype}, {value.dtype}) must equal the cache dtype {key_cache.dtype}"
+            f"key/value dtype ({key.dtype}, {value.dtype}) must equal the cache dtype {key_cache.dtype} "
+            f"(or, for a {FP8_DTYPE} cache, be one float dtype among {', '.join(map(str, FLOAT_DTYPES))})"
         )
+    check_kv_scales(key_cache, k_scale, v_scale)
     if tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
         raise ValueError(
             f"key heads/head_size {tuple(key.shape[1:])} must match the cache's {tuple(key_cache.shape[2:])}"
@@ -217,7 +264,7 @@ def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping) -> 
             f"slot_mapping must have one entry per token ({key.shape[0]}), got shape {tuple(slot_mapping.shape)}"
         )
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                      slot_mapping=slot_mapping)
+                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def check_distinct_destinations(block_mapping: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ CPU tensors) and checks it there with vectorized NumPy. The public functions of
 
 * while ``torch.compile`` traces, on fake or meta tensors (no values), or while a CUDA
   graph is being captured (:func:`should_check`);
-* when the environment variable ``COMPILED_ATTN_CHECK_VALUES`` is ``0``;
+* when the environment variable ``COMPILED_ATTN_CHECK_VALUES`` is ``0``, ``false``, ``off``
+  or ``no`` (any case);
 * for metadata already checked unchanged: each kind of check remembers the tensors of its
   last passing call (weak references) and their version counters, which every PyTorch
   in-place write bumps. The layers of one model forward share one batch's metadata, which
@@ -20,6 +21,7 @@ allowed.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
@@ -36,10 +38,14 @@ def values_readable(tensor: torch.Tensor) -> bool:
     return not isinstance(tensor, (FakeTensor, FunctionalTensor)) and tensor.device.type != "meta"
 
 
+def _turned_off(setting: str) -> bool:
+    return setting.strip().lower() in ("0", "false", "off", "no")
+
+
 def should_check(tensor: torch.Tensor) -> bool:
     """True when value checks are wanted and affordable: eager on real tensors, not tracing,
-    not capturing, and ``COMPILED_ATTN_CHECK_VALUES`` is not ``0``."""
-    if torch.compiler.is_compiling() or os.environ.get("COMPILED_ATTN_CHECK_VALUES") == "0":
+    not capturing, and ``COMPILED_ATTN_CHECK_VALUES`` does not turn them off."""
+    if torch.compiler.is_compiling() or _turned_off(os.environ.get("COMPILED_ATTN_CHECK_VALUES", "")):
         return False
     return values_readable(tensor) and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -151,3 +157,24 @@ def check_slot_values(key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> No
         raise ValueError(f"slot_mapping holds {bad[:8].tolist()} outside [-1, {num_slots}) "
                          f"(-1 is PAD_SLOT_ID; {num_slots} = num_blocks x block_size)")
     _SLOTS.remember((slot_mapping,), (num_slots,))
+
+
+_SCALES = _LastPassed()
+
+
+def check_kv_scale_values(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """The fp8 KV cache's ``k_scale``/``v_scale`` (``None`` = 1) are finite and > 0 (one
+    read of both; skipped while the same tensors stay unwritten).
+
+    Raises:
+        ValueError: naming the scale and its value.
+    """
+    tensors = tuple(t for t in (k_scale, v_scale) if t is not None)
+    if not tensors or _SCALES.same(tensors, ()):
+        return
+    values = torch.cat([t.detach().reshape(1) for t in tensors]).tolist()
+    names = [name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+    for name, value in zip(names, values):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and > 0 (x / {name} is what the fp8 cache stores), got {value}")
+    _SCALES.remember(tensors, ())

@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compiled_attn.benchmark import _prompts, _save_as_hf
+from compiled_attn.benchmark import _prompts
 from compiled_attn.engine import Engine
-from compiled_attn.models import build_random_model
+from compiled_attn.models import build_random_model, save_diffllama
 from compiled_attn.models.config import default_config
 from compiled_attn.ops import reference
 from compiled_attn.results import ResultRow, write_results
@@ -169,7 +169,7 @@ def main() -> None:
     lines = [f"{'case':<8} {'ours compiled':>14} {'ours eager':>11} {'HF compiled':>12} {'HF eager':>9} "
              f"{'ours/HF compiled':>17} {'ours/HF eager':>14}  greedy tokens equal"]
     with tempfile.TemporaryDirectory() as model_dir:
-        _save_as_hf(model, Path(model_dir))
+        save_diffllama(model, model_dir)
         for batch in args.batch_sizes:
             prompts = _prompts(batch, args.prompt_len, config.vocab_size)
             step, tokens = {}, {}

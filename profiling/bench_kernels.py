@@ -7,8 +7,10 @@ attention calls, concat, RMSNorm, scale). Decode runs are captured in a CUDA gra
 replayed (``do_bench_cudagraph``), the rest timed eagerly (``do_bench``); medians. bf16,
 Hq 32, Hkv 8, D 128, block 16. The ``flash`` part compares our varlen op, with its
 flash-attn backend, to flash-attn 4 called directly (run where ``flash_attn.cute`` imports:
-``profiling/gpu_suite.sh flash``). Appends to ``profiling/results/kernels.md`` and
-``kernels.jsonl``.
+``profiling/gpu_suite.sh flash``). The ``fp8`` part times paged decode over a float8_e4m3fn
+KV cache (vLLM's fp8 KV cache, dequantized in registers) against the same decode over the
+bf16 cache, and counts the tokens each cache holds in the same bytes. Appends to
+``profiling/results/kernels.md`` and ``kernels.jsonl``.
 
     python profiling/bench_kernels.py [--results-dir profiling/results]
 """
@@ -23,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 from compiled_attn.benchmark import copy_bandwidth
-from compiled_attn.ops import triton_kernels
+from compiled_attn.kv_cache import KVCache
+from compiled_attn.ops import reference, triton_kernels
 from compiled_attn.results import ResultRow, write_results
 
 DTYPE = torch.bfloat16
@@ -191,6 +194,48 @@ def flash_rows() -> list[ResultRow]:
     return rows
 
 
+def fp8_rows(bandwidth: float, batch: int = 64, context: int = 8192) -> list[ResultRow]:
+    """fp8 KV cache against bf16: paged decode at ``batch`` sequences of ``context`` keys,
+    plain and differential (issue target: fp8 at >= 1.6x the bf16 kernel's speed), the fp8
+    kernel's KV bandwidth, and the tokens a cache holds in the same bytes (2x)."""
+    args = decode_inputs(batch, context)
+    query, key_cache, value_cache = args[:3]
+    k_scale = key_cache.abs().amax().float() / 448  # calibrated as calibrate_kv_scales does
+    v_scale = value_cache.abs().amax().float() / 448
+    fp8 = (reference.quantize(key_cache, k_scale), reference.quantize(value_cache, v_scale))
+    del key_cache, value_cache
+    fp8_args = (query, *fp8, *args[3:])
+    lam = torch.rand(HQ // 2, device="cuda")
+    case = f"decode B={batch} ctx={context}"
+    rows = []
+    for name, lam_arg in (("plain", None), ("differential", lam)):
+        bf16_ms = _graph_ms(lambda: triton_kernels.paged_attention(*args, lam_arg))
+        fp8_ms = _graph_ms(lambda: triton_kernels.paged_attention(*fp8_args, lam_arg, k_scale=k_scale,
+                                                                  v_scale=v_scale))
+        rows.append(ResultRow(f"{case} {name}: bf16 cache / fp8 cache", "ms", bf16_ms, "fp8 ms", fp8_ms, ">= 1.6"))
+        if lam_arg is None:
+            kv_bytes = 2 * batch * context * HKV * D  # one byte an element
+            rows.append(ResultRow(f"{case} plain fp8 cache", "KV TB/s", kv_bytes / fp8_ms / 1e9, "copy TB/s",
+                                  bandwidth / 1e12, ">= 0.7"))
+    # Tokens per byte: the engine's cache of the bench model (16 layers, Hkv 8, D 64) as an example.
+    per_block = {dtype: KVCache.bytes_per_block(16, BLOCK, HKV, D, dtype) for dtype in (DTYPE, torch.float8_e4m3fn)}
+    rows.append(ResultRow("cache tokens at equal bytes: fp8 / bf16", "tokens per GiB",
+                          2**30 / per_block[torch.float8_e4m3fn] * BLOCK, "bf16 tokens per GiB",
+                          2**30 / per_block[DTYPE] * BLOCK, ">= 2"))
+    del args, fp8_args, fp8
+    torch.cuda.empty_cache()
+    key = torch.randn(65536, HKV, D, dtype=DTYPE, device="cuda")
+    key_cache = torch.empty(2 * 65536 // BLOCK, BLOCK, HKV, D, dtype=torch.float8_e4m3fn, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    slots = torch.randperm(key_cache.shape[0] * BLOCK)[:65536].cuda()
+    scale = torch.tensor(0.01, device="cuda")
+    ms = _graph_ms(lambda: triton_kernels.reshape_and_cache(key, key, key_cache, value_cache, slots, scale, scale))
+    moved = 2 * key.numel() * (key.element_size() + 1)  # k and v: read bf16, write fp8
+    rows.append(ResultRow("reshape_and_cache fp8 T=65536", "TB/s", moved / ms / 1e9, "copy TB/s",
+                          bandwidth / 1e12, ">= 0.8"))
+    return rows
+
+
 def cache_rows(bandwidth: float) -> list[ResultRow]:
     rows = []
     for tokens in (16384, 65536):
@@ -211,13 +256,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
-                        choices=["decode", "prefill", "cache", "flash"])
+                        choices=["decode", "prefill", "cache", "flash", "fp8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
-             "cache": lambda: cache_rows(bandwidth), "flash": flash_rows}
+             "cache": lambda: cache_rows(bandwidth), "flash": flash_rows, "fp8": lambda: fp8_rows(bandwidth)}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))

@@ -43,12 +43,13 @@ kernels)
     python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
     run pytest_gpu_kernels 240 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu \
         "$repo/tests/test_gpu_kernels.py" "$repo/tests/test_fused_linear.py"
-    run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py"
+    run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py" \
+        "$repo/tests/test_fp8_kv_cache.py"
     # Out-of-bounds accesses in the decode cases that once died with an illegal address.
     run memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$repo/profiling/bench_kernels.py" \
         --results-dir /tmp/memcheck --parts decode --batches 1 64 --contexts 1024
     # One process per part: a failing case (a CUDA error poisons its process) spares the others.
-    for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache; do
+    for part in "decode --batches 1" "decode --batches 16" "decode --batches 64" "decode --batches 256" prefill cache fp8; do
         run bench_kernels 120 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts $part
     done
     echo "== summary"
@@ -59,6 +60,8 @@ kernels)
 engine)
     run pytest_gpu_engine 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_engine.py"
     run cli_generate_cuda 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32
+    run cli_generate_cuda_fp8 120 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 32 \
+        --kv-cache-dtype fp8 --calculate-kv-scales
     [ "${SPLIT_SWEEP:-1}" = 1 ] && run split_sweep 120 python3 "$repo/profiling/tile_sweep.py" --splits
     # Where a batch-1 step of the ~1.1B bench model goes (host vs device), with its timeline.
     run trace_bench_model 150 python3 "$repo/profiling/trace_decode.py" --device cuda --bench-model --batch 1 \

@@ -44,10 +44,16 @@ def recorded_launches() -> list[tuple[str, object, dict]]:
     for name, lam, splits in (("paged", None, 1), ("paged differential split", torch.tensor(0.5), 4)):
         case[0] = name
         triton_kernels.paged_attention(q, cache, cache, cu, lens, table, lam, num_splits=splits)
+    fp8, scale = cache.to(torch.float8_e4m3fn), torch.tensor(0.5)
+    case[0] = "paged fp8 differential split"
+    triton_kernels.paged_attention(q, fp8, fp8, cu, lens, table, torch.tensor(0.5), k_scale=scale, v_scale=scale,
+                                   num_splits=4)
     case[0] = "varlen"
     triton_kernels.varlen_attention(q, q[:, :2], q[:, :2], cu, cu)
     case[0] = "reshape_and_cache"
     triton_kernels.reshape_and_cache(q[:, :2], q[:, :2], cache, cache, torch.tensor([0, 5, -1]))
+    case[0] = "reshape_and_cache fp8"
+    triton_kernels.reshape_and_cache(q[:, :2], q[:, :2], fp8, fp8, torch.tensor([0, 5, -1]), scale, scale)
     x, w = torch.randn(2, 64, generator=g).to(**bf16), torch.randn(128, 64, generator=g).to(**bf16)
     case[0] = "fused_linear"
     triton_kernels.fused_linear(x, w, None, x[0], 1e-6, x.new_ones(2, 64), True,

@@ -43,6 +43,22 @@ def test_bring_your_own_model_compiles_once_per_step_kind():
     assert len(set(eager.flatten().tolist())) > 1  # a real continuation, not one repeated id
 
 
+@pytest.mark.slow
+def test_several_models_in_one_process_with_compiled_function():
+    """The README's remedy for Dynamo's shared budget: five models of other widths (more
+    than the 8 graphs one ``torch.compile`` cache allows), each compiled with
+    ``CompiledFunction``: no limit hit, tokens equal eager."""
+    from compiled_attn.compile import CompiledFunction
+
+    names = readme_example()
+    prompts, generate = names["prompts"], names["generate"]
+    for width in (32, 48, 64, 80, 96):  # 10 graphs
+        torch.manual_seed(width)
+        model = names["TinyDecoder"](dim=width).eval()
+        compiled = generate(model, prompts, 6, compiler=CompiledFunction)
+        assert torch.equal(compiled, generate(model, prompts, 6, compile=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bring_your_own_model_reduce_overhead_records_cuda_graphs():

@@ -345,3 +345,114 @@ def test_cuda_graph_reshape_and_cache():
         expected_k, expected_v = redraw()
         graph.replay()
         assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+# --- fp8 KV cache (float8_e4m3fn, vLLM's kv_cache_dtype="fp8") ----------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def fp8_real_batch(seqs, head_size, dtype):
+    """``real_batch`` with its caches quantized to float8_e4m3fn (scales as
+    ``calibrate_kv_scales``: the largest finite magnitude maps to 448; unused slots stay NaN)."""
+    args, pad_rows = real_batch(seqs, head_size, 16, dtype)
+    query, key_cache, value_cache, *meta = args
+    scales = [torch.nan_to_num(c, nan=0.0).abs().amax().float() / 448 for c in (key_cache, value_cache)]
+    fp8 = [reference.quantize(c, s) for c, s in zip((key_cache, value_cache), scales)]
+    return (query, *fp8, *meta), (key_cache, value_cache), scales, pad_rows
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_paged_real_sizes(dtype, head_size, differential):
+    """The op over an fp8 cache at real sizes (prefill, chunked, decode to 32k keys, split
+    decode): against the float64 reference over the dequantized cache (exact semantics, the
+    query dtype's tolerances), and against the float64 reference over the unquantized
+    cache within a relative L2 error of 2^-3 (twice e4m3's rounding of one element)."""
+    lam = make_lambda(NUM_HEADS, per_pair=True).cuda() if differential else None
+    for seqs in (MIXED, DECODE):
+        args, exact, (k_scale, v_scale), pad_rows = fp8_real_batch(tuple(seqs), head_size, dtype)
+        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table = args
+        out = ops.paged_attention(*args, lam, k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(out, triton_kernels.paged_attention(*args, lam, k_scale=k_scale, v_scale=v_scale))
+        expected = reference.paged_attention(query.double(), key_cache, value_cache, cu_seqlens_q, seq_lens,
+                                             block_table, lam, head_size ** -0.5, True, -1, -1, 0.0, None,
+                                             k_scale, v_scale)
+        assert_close_to_oracle(out, expected)
+        assert bool((out[pad_rows] == 0).all())
+        unquantized = reference_paged((query, *exact, cu_seqlens_q, seq_lens, block_table), lam)
+        rel_l2 = ((out.double() - unquantized).norm() / unquantized.norm()).item()
+        assert 0 < rel_l2 <= 2 ** -3, f"fp8 vs unquantized cache: relative L2 {rel_l2:.3g}"
+
+
+def test_fp8_reshape_and_cache_bit_exact_on_cuda():
+    """The kernel's integer float8 encoding equals torch's CUDA conversion (round to nearest
+    even) after the saturation to +-448, for every input dtype, with and without scales."""
+    g = torch.Generator().manual_seed(21)
+    num_tokens, block_size, num_blocks = 500, 16, 64
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        key = (torch.randn(num_tokens, NUM_KV_HEADS, 128, generator=g)
+               * 10.0 ** torch.randint(-6, 4, (num_tokens, NUM_KV_HEADS, 1), generator=g)).to(dtype)
+        key.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -1e30]).to(dtype)
+        value = -key.flip(0)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+        slots[::7] = -1
+        key, value, slots = key.cuda(), value.cuda(), slots.cuda()
+        for scales in ((None, None), (torch.tensor(0.013), torch.tensor([7.0]))):
+            k_scale, v_scale = (None if s is None else s.cuda() for s in scales)
+            caches = [torch.zeros(num_blocks, block_size, NUM_KV_HEADS, 128, dtype=torch.float8_e4m3fn,
+                                  device="cuda") for _ in range(4)]
+            triton_kernels.reshape_and_cache(key, value, *caches[:2], slots, k_scale, v_scale)
+            reference.reshape_and_cache(key, value, *caches[2:], slots, k_scale, v_scale)
+            for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{dtype} {scales}"
+
+
+def test_cuda_graph_fp8_decode_reads_the_scales_at_replay():
+    """A captured fp8 decode (split) reads k_scale/v_scale from device memory: after the
+    scales change in place, the replay equals an eager call with the new scales."""
+    args, _, _, _ = fp8_real_batch(tuple(DECODE), 128, torch.bfloat16)
+    query, key_cache, value_cache, *meta = (t.clone() for t in args)
+    k_scale, v_scale = torch.tensor(0.01, device="cuda"), torch.tensor([0.02], device="cuda")
+    lam = make_lambda(NUM_HEADS, per_pair=True).cuda()
+    graph, out = capture(lambda: ops.paged_attention(query, key_cache, value_cache, *meta, lam,
+                                                     k_scale=k_scale, v_scale=v_scale))
+    for new in ((0.01, 0.02), (0.5, 0.003)):
+        k_scale.fill_(new[0])
+        v_scale.fill_(new[1])
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = ops.paged_attention(query, key_cache, value_cache, *meta, lam, k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(out, eager)
+
+
+def test_opcheck_fp8_cuda():
+    args, _, (k_scale, v_scale), _ = fp8_real_batch(tuple(DECODE[:3]), 64, torch.bfloat16)
+    options = (64 ** -0.5, True, -1, -1, 0.0, None, None)
+    # test_schema compares arguments with torch.allclose, which float8 lacks
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.compiled_attn.paged_attention.default,
+                          (*args, None, *options, k_scale, v_scale), test_utils=utils)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_fp8_under_compile_on_cuda(differential):
+    """Static CUDA shapes trace the launcher into Inductor's code (wrap_triton) with the
+    scales as pointer arguments: as eager (within test_gpu_compile.py's 1e-2: Inductor compiles
+    the kernel with its own options); new scale values need no recompile."""
+    from torch._dynamo.utils import counters
+
+    batch, args = small_paged_args()
+    query, key_cache, value_cache, *meta = args
+    k_scale, v_scale = torch.tensor(0.02, device="cuda"), torch.tensor(0.03, device="cuda")
+    fp8 = [reference.quantize(c, s) for c, s in ((key_cache, k_scale), (value_cache, v_scale))]
+    lam = make_lambda(8, per_pair=True).cuda() if differential else None
+    f = torch.compile(lambda ks, vs: ops.paged_attention(query, *fp8, *meta, lam, k_scale=ks, v_scale=vs),
+                      fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for scales in ((0.02, 0.03), (0.5, 0.001)):
+        k_scale.fill_(scales[0])
+        v_scale.fill_(scales[1])
+        torch.testing.assert_close(f(k_scale, v_scale), ops.paged_attention(query, *fp8, *meta, lam, k_scale=k_scale,
+                                                                            v_scale=v_scale), atol=1e-2, rtol=0)
+    assert counters["stats"]["unique_graphs"] - before <= 1

@@ -1,4 +1,4 @@
-"""BlockAllocator and KVCache: slots, block growth, free, fork + copy_blocks, errors."""
+"""BlockAllocator and KVCache: slots, block growth, free, fork + copy-on-write + copy_blocks, errors."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_allocator_rejects_non_positive_sizes():
         BlockAllocator(4, 0)
 
 
-def test_fork_returns_src_dst_pairs_and_copy_blocks_makes_child_equal_parent():
+def test_fork_shares_blocks_and_copy_on_write_gives_a_private_copy():
     torch.manual_seed(0)
     num_blocks, block_size, heads, head_size = 10, 4, 2, 8
     cache = KVCache.allocate(2, num_blocks, block_size, heads, head_size, torch.float32, "cpu")
@@ -136,39 +136,38 @@ def test_fork_returns_src_dst_pairs_and_copy_blocks_makes_child_equal_parent():
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
     alloc = cache.allocator
-    parent = list(alloc.allocate(0, 10))  # 3 blocks
+    parent = list(alloc.allocate(0, 10))  # 3 blocks, the last one partial (tokens 8, 9)
     before = alloc.num_free_blocks
-    pairs = alloc.fork(0, 1)
-    child = alloc.block_tables[1]
-    assert pairs == list(zip(parent, child))
-    assert len(child) == 3 and not set(child) & set(parent)
-    assert alloc.num_free_blocks == before - 3
-    assert alloc.block_tables[0] == parent  # parent untouched
-    snapshot = [(k.clone(), v.clone()) for k, v in cache.layers]
-    assert not all(torch.equal(k[parent], k[child]) for k, _ in cache.layers)
-    copy_blocks([k for k, _ in cache.layers], [v for _, v in cache.layers],
-                torch.tensor(pairs, dtype=torch.int64))
-    for (k, v), (k0, v0) in zip(cache.layers, snapshot):
-        assert torch.equal(k[child], k0[parent])
-        assert torch.equal(v[child], v0[parent])
-        assert torch.equal(k[parent], k0[parent])  # sources unchanged
-        others = sorted(set(range(num_blocks)) - set(child))
-        assert torch.equal(k[others], k0[others])
-        assert torch.equal(v[others], v0[others])
-    # Child's blocks are private: freeing the child does not touch the parent.
+    alloc.fork(0, 1)
+    assert alloc.block_tables[1] == parent and alloc.num_free_blocks == before  # shared, nothing taken
+    assert alloc.copy_on_write(1, 4) is not None  # block 1 is shared too: a write there copies it
     alloc.free(1)
-    assert alloc.block_tables[0] == parent
-    assert alloc.num_free_blocks == before
+    alloc.fork(0, 1)
+    assert alloc.copy_on_write(0, 20) is None  # a position beyond the table: nothing to copy
+    src, dst = alloc.copy_on_write(1, 10)  # the child writes token 10: into the shared last block
+    child = alloc.block_tables[1]
+    assert src == parent[2] and child == parent[:2] + [dst] and dst not in parent
+    assert alloc.copy_on_write(1, 11) is None and alloc.copy_on_write(0, 10) is None  # now both private
+    assert alloc.num_free_blocks == before - 1
+    snapshot = [(k.clone(), v.clone()) for k, v in cache.layers]
+    copy_blocks([k for k, _ in cache.layers], [v for _, v in cache.layers], torch.tensor([[src, dst]]))
+    for (k, v), (k0, v0) in zip(cache.layers, snapshot):
+        assert torch.equal(k[dst], k0[src]) and torch.equal(v[dst], v0[src])
+        others = sorted(set(range(num_blocks)) - {dst})
+        assert torch.equal(k[others], k0[others]) and torch.equal(v[others], v0[others])
+    alloc.free(0)  # the shared blocks stay with the child
+    assert alloc.block_tables[1] == child and alloc.num_free_blocks == before  # only its private block came back
+    alloc.free(1)
+    assert alloc.num_free_blocks == num_blocks
 
 
-def test_fork_out_of_blocks_allocates_nothing():
-    alloc = BlockAllocator(num_blocks=5, block_size=2)
-    alloc.allocate(0, 6)  # 3 blocks, 2 free
-    with pytest.raises(OutOfBlocksError, match="3") as info:
-        alloc.fork(0, 1)
-    assert "2" in str(info.value)
-    assert alloc.num_free_blocks == 2
-    assert 1 not in alloc.block_tables
+def test_copy_on_write_without_a_free_block_raises():
+    alloc = BlockAllocator(num_blocks=3, block_size=2)
+    alloc.allocate(0, 5)  # 3 blocks, none free
+    alloc.fork(0, 1)
+    with pytest.raises(OutOfBlocksError, match="copy-on-write"):
+        alloc.copy_on_write(1, 5)
+    assert alloc.block_tables[1] == alloc.block_tables[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compiled_attn.benchmark import _save_as_hf
 from compiled_attn.metadata import SequenceChunk, build_metadata
-from compiled_attn.models import DiffLlamaConfig, DiffLlamaForCausalLM, build_random_model, load_diffllama
+from compiled_attn.models import (
+    DiffLlamaConfig, DiffLlamaForCausalLM, build_random_model, load_diffllama, save_diffllama,
+)
 from compiled_attn.models.loader import (
     fuse_state_dict, halves_to_interleaved, interleaved_to_halves, load_config, unfuse_state_dict,
 )
@@ -181,7 +182,7 @@ def test_fuse_unfuse_round_trip(bias, kv_heads, kv_sharing):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_saved_hf_checkpoint_round_trips_and_matches_transformers(tmp_path, bias):
-    """Our model written by the benchmark's HF writer (unfuse + halves) loads back exactly
+    """Our model written by save_diffllama (unfuse + halves) loads back exactly
     and gives transformers' logits."""
     config = DiffLlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
@@ -191,7 +192,7 @@ def test_saved_hf_checkpoint_round_trips_and_matches_transformers(tmp_path, bias
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
-    _save_as_hf(model, tmp_path)
+    save_diffllama(model, tmp_path)
     loaded = load_diffllama(tmp_path).state_dict()
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

@@ -227,3 +227,10 @@ def test_copy_blocks_refuses_repeated_destinations_and_mismatched_pairs():
         copy_blocks([k], [v], torch.tensor([[0, 3], [1, 3]]))
     with pytest.raises(ValueError, match="value_cache must match key_cache"):
         copy_blocks([k], [torch.randn(6, 4, 2, 8)], torch.tensor([[0, 3]]))
+
+
+def test_copy_blocks_names_the_layer_whose_caches_disagree():
+    keys = [torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)]
+    values = [torch.zeros(4, 2, 1, 8), torch.zeros(4, 3, 1, 8)]
+    with pytest.raises(ValueError, match=r"layer 1 \(key_caches\[1\], value_caches\[1\]\)"):
+        copy_blocks(keys, values, torch.tensor([[0, 1]]))

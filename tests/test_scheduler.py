@@ -80,7 +80,8 @@ def test_chunked_prefill_gives_the_same_tokens(model, reference, budget):
     e = engine(model, num_blocks=1000, max_num_batched_tokens=budget)
     steps = []
     run = e.runner.run_chunks
-    e.runner.run_chunks = lambda chunks: (steps.append([(c.num_tokens, c.completes) for c in chunks]), run(chunks))[1]
+    e.runner.run_chunks = lambda chunks, draws=None: (steps.append([(c.num_tokens, c.completes) for c in chunks]),
+                                                      run(chunks, draws))[1]
     got, _ = drive(e, prompts, params)
     assert got == reference
     assert max(sum(n for n, _ in step) for step in steps) <= budget
@@ -155,3 +156,55 @@ def test_whole_prompt_hit_leaves_the_last_token_to_compute():
     alloc.cache_full_blocks(0, tokens, 4)
     assert alloc.allocate_prefix(1, tokens) == 2  # block [3, 4] holds the last token: recomputed
     assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [9, 9]), [1, 2])  # hashes chain
+
+
+def test_generate_rejects_params_that_are_not_sampling_params(model):
+    e = engine(model, num_blocks=100)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        e.generate([[1, 2]], None)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        e.generate([[1, 2]], [{"max_new_tokens": 2}])
+    assert not e.has_unfinished()
+
+
+# --- parallel sampling ------------------------------------------------------------------------
+
+
+def test_parallel_samples_share_the_prompt_blocks_and_equal_single_requests(model):
+    """``n=4`` sampled completions: the prompt is computed once and its blocks shared (block
+    counts), the partial last block copied on first write; each sample equals a single
+    request drawing with that sample's seed."""
+    prompt = list(range(1, 31))  # 30 tokens: 7 full blocks of 4 and a partial one
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=4)
+    e = engine(model, num_blocks=200)
+    parent = e.add_request(prompt, params, seed=5)
+    e.step()  # the prompt, computed once; the 4 samples forked
+    allocator = e.kv_cache.allocator
+    tables = [allocator.block_tables[r.request_id] for r in [parent, *parent.samples]]
+    assert len(parent.samples) == 3 and all(t == tables[0] for t in tables)
+    assert allocator.num_blocks - allocator.num_free_blocks == 8  # 8 blocks for 4 sequences of 31 tokens
+    e.step()  # each sample writes token 31 into the shared 8th block: 3 copies, the last writer keeps it
+    tables = [allocator.block_tables[r.request_id] for r in [parent, *parent.samples]]
+    assert all(t[:7] == tables[0][:7] for t in tables) and len({t[7] for t in tables}) == 4
+    while e.has_unfinished():
+        e.step()
+    got = [r.output_ids for r in [parent, *parent.samples]]
+    assert len({tuple(g) for g in got}) > 1  # sampled: the completions differ
+    seeds = [5] + [(5 * 1_000_003 + k) % (1 << 63) for k in range(1, 4)]
+    single = SamplingParams(max_new_tokens=12, temperature=1.0)
+    for seed, output in zip(seeds, got):
+        alone = engine(model, num_blocks=200)
+        request = alone.add_request(prompt, single, seed=seed)
+        while alone.has_unfinished():
+            alone.step()
+        assert request.output_ids == output
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_bad_n_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(TypeError, match="n must be an int"):
+        SamplingParams(n=2.0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine(model, num_blocks=100, max_num_seqs=2).add_request([1, 2], SamplingParams(n=3))

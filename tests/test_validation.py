@@ -400,13 +400,15 @@ def test_value_checks_see_a_new_tensor_with_the_same_values_and_version():
         paged_attention(**{**args, "block_table": bad})
 
 
-def test_value_checks_switched_off_by_the_environment(monkeypatch, tripwire):
+@pytest.mark.parametrize("setting", ["0", "false", "OFF", " no "])
+def test_value_checks_switched_off_by_the_environment(monkeypatch, tripwire, setting):
     args = _paged()
     args["seq_lens"] = args["seq_lens"].clone()
     args["seq_lens"][0] = 10_000
+    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", "1")
     with pytest.raises(ValueError, match="seq_lens"):
         paged_attention(**args)
-    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", "0")
+    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", setting)
     with pytest.raises(KernelRan):  # shape checks pass, value checks skipped: the op runs
         paged_attention(**args)
     assert tripwire == ["paged_attention"]
@@ -439,3 +441,26 @@ def test_public_functions_run_on_tensors_without_values(where):
         assert paged_attention(**paged).shape == (8, 4, 16)
         assert varlen_attention(**varlen, lambda_full=convert(torch.tensor(0.5))).shape == (8, 2, 32)
         reshape_and_cache(**write)
+
+
+@pytest.mark.parametrize("causal", ["yes", None, 1])
+def test_causal_must_be_a_bool(causal):
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        paged_attention(**_paged(), causal=causal)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        varlen_attention(**_varlen(), causal=causal)
+
+
+def test_a_tensor_scale_under_compile_names_the_argument_without_printing_values():
+    args = _paged()
+    f = torch.compile(lambda scale: paged_attention(**args, scale=scale), fullgraph=True)
+    with pytest.raises(Exception, match=r"scale must be a float or None, got Tensor of shape \(\)"):
+        f(torch.tensor(0.3))
+
+
+def test_paged_attention_has_no_backward_and_says_so():
+    args = _paged()
+    query = args.pop("query").clone().requires_grad_()
+    out = paged_attention(query, **args)
+    with pytest.raises(NotImplementedError, match="varlen_attention"):
+        out.sum().backward()

@@ -8,6 +8,13 @@ cache otherwise (decode, chunked prefill, prefix hits, mixed batches). A layer t
 *shares* another layer's cache (cross-layer / YOCO KV sharing, as vLLM's
 ``kv_sharing_target_layer_name``) projects only Q, with a plain ``q_proj``, and reads that
 cache.
+
+A layer's cache is ``(key_cache, value_cache)`` or, for an fp8 KV cache (vLLM's
+``kv_cache_dtype="fp8"``), ``(key_cache, value_cache, k_scale, v_scale)``: float8_e4m3fn
+caches and their float32 scales travel together, so a layer that shares the cache reads it
+with the scales it was written with. With an fp8 cache every batch, pure prefills too,
+attends over the (quantized) cache, as vLLM V1 does: a prompt's outputs then do not depend
+on whether it was prefilled whole, in chunks or from the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from .linear import linear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
-KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
+KVCacheLayer = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(key_cache, value_cache)``, or ``(key_cache, value_cache, k_scale, v_scale)`` for an fp8 cache."""
 
 
 class Attention(nn.Module):
@@ -109,12 +117,14 @@ class Attention(nn.Module):
             if k is None:
                 raise ValueError("a layer that shares another layer's KV cache needs kv_cache")
             return VARLEN_ATTENTION(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, *options)
+        key_cache, value_cache, *scales = kv_cache
+        k_scale, v_scale = scales or (None, None)
         if k is not None:
-            RESHAPE_AND_CACHE(k, v, kv_cache[0], kv_cache[1], md.slot_mapping)
-            if md.prefill_only:
+            RESHAPE_AND_CACHE(k, v, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
+            if md.prefill_only and key_cache.dtype != torch.float8_e4m3fn:
                 return VARLEN_ATTENTION(q, k, v, md.cu_seqlens_q, md.cu_seqlens_q, lambda_full, *options)
-        return PAGED_ATTENTION(q, kv_cache[0], kv_cache[1], md.cu_seqlens_q, md.seq_lens, md.block_table,
-                               lambda_full, *options)
+        return PAGED_ATTENTION(q, key_cache, value_cache, md.cu_seqlens_q, md.seq_lens, md.block_table,
+                               lambda_full, *options, k_scale, v_scale)
 
     def forward(self, hidden: torch.Tensor, md: AttentionMetadata, kv_cache: KVCacheLayer | None = None,
                 input_norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:

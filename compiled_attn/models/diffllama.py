@@ -2,7 +2,10 @@
 
 Llama (RMSNorm, RoPE, SwiGLU MLP, pre-norm residual blocks) with
 :class:`~compiled_attn.layers.DifferentialAttention` in every layer, as Hugging Face
-``DiffLlamaForCausalLM``. Module names match that implementation except for two fused
+``DiffLlamaForCausalLM``; ``differential=False`` builds the same network with the plain
+:class:`~compiled_attn.layers.Attention` layer (a plain Llama of the same projection
+shapes, the baseline of the DIFF Transformer paper's comparisons, arXiv 2410.05258 §3).
+Module names match that implementation except for two fused
 projections per layer, ``self_attn.qkv_proj`` (``q_proj``, ``k_proj``, ``v_proj``) and
 ``mlp.gate_up_proj`` (``gate_proj``, ``up_proj``), one GEMM each as in vLLM; the loader
 fuses a checkpoint's tensors and permutes its head order (see
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import DifferentialAttention, RMSNorm, linear
+from ..layers import Attention, DifferentialAttention, RMSNorm, linear
 from ..metadata import AttentionMetadata
 from .config import DiffLlamaConfig
 
@@ -49,18 +52,22 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; each norm runs
-    inside the projection that follows it and each add inside the one before it."""
+    inside the projection that follows it and each add inside the one before it.
+    ``differential=False``: plain :class:`Attention` with the same heads (the config's
+    ``lambda_*`` and ``subln_affine`` fields are then unused)."""
 
-    def __init__(self, config: DiffLlamaConfig, layer_idx: int) -> None:
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int, differential: bool = True) -> None:
         super().__init__()
-        self.self_attn = DifferentialAttention(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, depth=layer_idx, lambda_init=config.lambda_init,
-            lambda_std=config.lambda_std_dev, subln_affine=config.subln_affine,
-            norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-            bias=config.attention_bias, sliding_window=config.sliding_window,
-            shares_kv_cache=layer_idx in config.kv_sharing,
-        )
+        common = dict(rope_theta=config.rope_theta, bias=config.attention_bias,
+                      sliding_window=config.sliding_window, shares_kv_cache=layer_idx in config.kv_sharing)
+        heads = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        if differential:
+            self.self_attn = DifferentialAttention(
+                *heads, depth=layer_idx, lambda_init=config.lambda_init, lambda_std=config.lambda_std_dev,
+                subln_affine=config.subln_affine, norm_eps=config.rms_norm_eps, **common,
+            )
+        else:
+            self.self_attn = Attention(*heads, **common)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -74,10 +81,10 @@ class DiffLlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; ``[T]`` ids -> ``[T, hidden_size]``
     (``final_norm=False`` leaves the norm to the caller, which fuses it into the LM head)."""
 
-    def __init__(self, config: DiffLlamaConfig) -> None:
+    def __init__(self, config: DiffLlamaConfig, differential: bool = True) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, differential) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         owners = [i for i in range(config.num_hidden_layers) if i not in config.kv_sharing]
         # Index into the KV cache list of the cache each layer writes or reads.
@@ -102,16 +109,23 @@ class DiffLlamaForCausalLM(nn.Module):
 
     Args:
         config: the model's :class:`DiffLlamaConfig`.
+        differential: differential attention in every layer (DiffLlama); ``False`` builds
+            a plain Llama with :class:`~compiled_attn.layers.Attention` and the same
+            projection shapes (no ``lambda_*``, no ``subln``): the baseline for comparisons.
+            Only differential models have a Hugging Face DiffLlama checkpoint format.
 
     ``num_cache_layers`` cache pairs of shape ``[num_blocks, block_size,
     num_key_value_heads, head_dim]`` serve it (layers with ``kv_sharing`` read another
     layer's pair).
     """
 
-    def __init__(self, config: DiffLlamaConfig) -> None:
+    def __init__(self, config: DiffLlamaConfig, differential: bool = True) -> None:
         super().__init__()
+        if not isinstance(differential, bool):
+            raise TypeError(f"differential must be a bool, got {differential!r} ({type(differential).__name__})")
         self.config = config
-        self.model = DiffLlamaModel(config)
+        self.differential = differential
+        self.model = DiffLlamaModel(config, differential)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -142,12 +156,14 @@ class DiffLlamaForCausalLM(nn.Module):
 
 
 def build_random_model(config: DiffLlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> DiffLlamaForCausalLM:
+                       device: torch.device | str = "cpu", differential: bool = True) -> DiffLlamaForCausalLM:
     """A model with weights drawn from ``seed``: normal(0, 0.02) for matrices and
     embeddings (as Llama's ``initializer_range``), normal(0, ``lambda_std_dev``) for the
-    lambda vectors, ones for norms. Same seed, same weights, on every machine."""
+    lambda vectors, ones for norms. Same seed, same weights, on every machine.
+    ``differential=False``: the plain-attention model (see :class:`DiffLlamaForCausalLM`).
+    Returned in eval mode with gradients off."""
     generator = torch.Generator().manual_seed(seed)
-    model = DiffLlamaForCausalLM(config)
+    model = DiffLlamaForCausalLM(config, differential)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

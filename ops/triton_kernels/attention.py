@@ -8,6 +8,11 @@ reads shapes only, never values, and is made once per shape key (:class:`LaunchS
 skips Triton's per-call argument binding. A call costs the key, a lookup, the output (and
 split partials) allocation and the launches. They accept CUDA tensors, or CPU tensors when
 ``TRITON_INTERPRET=1`` (tests).
+
+A float8_e4m3fn paged cache (vLLM's fp8 KV cache) is read as it is: the kernel converts each
+loaded K/V tile to the query's dtype (exact: every float8_e4m3fn value is a float16, bfloat16
+and float32 value), folds ``k_scale`` into the softmax scale and multiplies the output by
+``v_scale``; so the cache's bytes cross the memory bus once, at one byte an element.
 """
 
 from __future__ import annotations
@@ -43,17 +48,21 @@ def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
     seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor | None = None,
     scale: float | None = None, causal: bool = True, window_left: int = -1, window_right: int = -1,
-    softcap: float = 0.0, alibi_slopes: Tensor | None = None, scale_softcap: Tensor | None = None, *,
+    softcap: float = 0.0, alibi_slopes: Tensor | None = None, scale_softcap: Tensor | None = None,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None, *,
     out: Tensor | None = None, num_splits: int | None = None,
 ) -> Tensor:
     """The ``compiled_attn::paged_attention`` op on CUDA (arguments as its schema).
 
     Args:
-        query: ``[T, Hq, D]``; key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``.
+        query: ``[T, Hq, D]``; key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``,
+            query's dtype or float8_e4m3fn.
         cu_seqlens_q: ``[B + 1]`` int32; seq_lens: ``[B]`` int32; block_table:
             ``[B, max_blocks]`` int32.
         lambda_full ... scale_softcap: as :func:`compiled_attn.ops.paged_attention` and the
             op schema (``scale=None``: ``D ** -0.5``).
+        k_scale, v_scale: float32 ``[]``/``[1]`` dequantization scales of a float8_e4m3fn
+            cache (``k = cache * k_scale``), or ``None`` (1); ignored for other caches.
         out: optional output buffer (``[T, Hq, D]`` or ``[T, Hq/2, 2D]``, query's dtype, last
             dim contiguous); a new tensor otherwise.
         num_splits: force this many flash-decoding splits (tests); default from shapes.
@@ -62,9 +71,11 @@ def paged_attention(
         ``out``.
     """
     max_kv_len = block_table.shape[1] * key_cache.shape[1]
+    if key_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = None
     return _attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, max_kv_len,
                       lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes,
-                      scale_softcap, out, num_splits)
+                      scale_softcap, out, num_splits, k_scale, v_scale)
 
 
 def varlen_attention(
@@ -156,18 +167,19 @@ _MERGE = CachedLauncher(merge_splits_kernel)
 
 
 def _spec_key(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-              scale_softcap, out, num_splits, pointers) -> tuple:
+              scale_softcap, out, num_splits, k_scale, v_scale, pointers) -> tuple:
     """What a launch spec and the compiled kernel variants depend on: shapes, strides,
-    flags, the device, the dtypes and the 16-byte alignment of every pointer (never values)."""
+    flags, the device, the dtypes (the cache's: float8_e4m3fn or not) and the 16-byte
+    alignment of every pointer (never values)."""
     return (query.shape, query.stride(), key.shape, key.stride(), value.stride(), query.dtype, key.dtype,
             num_seqs, None if block_table is None else (block_table.shape, block_table.stride()), max_kv_len,
             None if lambda_full is None else (lambda_full.numel(), lambda_full.dtype), softcap > 0,
-            alibi_slopes is None, scale_softcap is None, out.stride(), num_splits, query.get_device(),
-            alignments(pointers))
+            alibi_slopes is None, scale_softcap is None, k_scale is None, v_scale is None, out.stride(),
+            num_splits, query.get_device(), alignments(pointers))
 
 
 def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-                 scale_softcap, out, num_splits) -> LaunchSpec:
+                 scale_softcap, out, num_splits, k_scale, v_scale) -> LaunchSpec:
     differential = lambda_full is not None
     paged = block_table is not None
     num_tokens, num_heads, head_size = query.shape
@@ -194,7 +206,8 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
     constexprs = dict(
         BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential, STACKED=tiles.stacked, SPLIT=split,
         SOFTCAP=softcap > 0 or scale_softcap is not None, ALIBI=alibi_slopes is not None,
-        LAMBDA_PER_PAIR=lambda_per_pair, RUNTIME_SCALARS=scale_softcap is not None, HEAD_SIZE=head_size,
+        LAMBDA_PER_PAIR=lambda_per_pair, RUNTIME_SCALARS=scale_softcap is not None,
+        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None, HEAD_SIZE=head_size,
         HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // key.shape[-2], GROUP_PAD=plan.group_pad,
         BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n)
     merge_constexprs = dict(
@@ -210,9 +223,11 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
 
 
 def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len, lambda_full, scale,
-               causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits):
+               causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits,
+               k_scale=None, v_scale=None):
     """Launch the unified kernel (and the split merge). ``block_table is None`` means
-    contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``."""
+    contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``.
+    ``k_scale``/``v_scale``: dequantization scales of an fp8 cache, or ``None``."""
     num_tokens, _, head_size = query.shape
     out_shape = output_shape(query, lambda_full is not None)
     if out is None:
@@ -233,10 +248,10 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     # Pointer arguments of disabled features point at the query (never read).
     table = kv_lens if block_table is None else block_table
     pointers = (query, key, value, cu_seqlens_q, kv_lens, table, out,
-                *(query if t is None else t for t in (lambda_full, alibi_slopes, scale_softcap)))
+                *(query if t is None else t for t in (lambda_full, alibi_slopes, scale_softcap, k_scale, v_scale)))
     num_seqs = cu_seqlens_q.shape[0] - 1
     spec_args = (query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-                 scale_softcap, out, num_splits)
+                 scale_softcap, out, num_splits, k_scale, v_scale)
     shape_key = _spec_key(*spec_args, pointers)
     spec = _SPECS.get(shape_key)
     if spec is None:

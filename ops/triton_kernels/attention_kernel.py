@@ -44,6 +44,13 @@ half the ``q2`` rows of the same tokens and pairs. Queries are ``[BLOCK_M, 2D]``
 ``P . [v1 | v2]`` accumulator give both components; the halves are combined at the end.
 This halves the accumulators and the dots of a decode program (the padded rows were
 otherwise wasted), at the price of multiplying zeros in the score dot.
+
+fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``): K/V tiles of a float8_e4m3fn cache are
+converted to the query's dtype as they are loaded (exact), the dots run in that dtype as
+for any cache, and the scales are applied outside the loop: ``q . (k * k_scale) =
+(q . k) * k_scale`` folds ``k_scale`` into the softmax scale (``K_SCALED``), and the output,
+linear in ``V``, is multiplied by ``v_scale`` (``V_SCALED``) before it is stored (partials
+too: the split merge is a convex combination).
 """
 
 import triton
@@ -122,6 +129,7 @@ def _log_sum_exp(m, l):
 def attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
     cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr, alibi_ptr, scalars_ptr,
+    k_scale_ptr, v_scale_ptr,
     num_seqs, scale, softcap, min_dist, max_dist,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -131,7 +139,8 @@ def attention_kernel(
     stride_ls, stride_lt, stride_lh,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DIFFERENTIAL: tl.constexpr,
     STACKED: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    LAMBDA_PER_PAIR: tl.constexpr, RUNTIME_SCALARS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    LAMBDA_PER_PAIR: tl.constexpr, RUNTIME_SCALARS: tl.constexpr, K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
@@ -143,8 +152,8 @@ def attention_kernel(
             ``[T, Hq, D]`` or, differential, ``[T, Hq/2, 2D]``, in the query's dtype.
         lse_ptr: ``SPLIT``: float32 ``[num_splits, T, Hq]`` base-2 log-sum-exp; else unused.
         q_ptr: ``[T, Hq, D]`` float16/bfloat16/float32.
-        k_ptr, v_ptr: ``PAGED``: caches ``[num_blocks, BLOCK_SIZE, Hkv, D]``; else contiguous
-            ``[total_k, Hkv, D]`` (``stride_ks`` unused).
+        k_ptr, v_ptr: ``PAGED``: caches ``[num_blocks, BLOCK_SIZE, Hkv, D]``, the query's
+            dtype or float8_e4m3fn; else contiguous ``[total_k, Hkv, D]`` (``stride_ks`` unused).
         cu_seqlens_q_ptr: ``[B + 1]`` int32. kv_lens_ptr: ``PAGED``: ``seq_lens`` ``[B]``;
             else ``cu_seqlens_k`` ``[B + 1]``. block_table_ptr: ``[B, max_blocks]`` int32
             (``PAGED`` only).
@@ -152,6 +161,8 @@ def attention_kernel(
         alibi_ptr: ``[Hq]`` float32 slopes (``ALIBI`` only).
         scalars_ptr: ``RUNTIME_SCALARS``: float32 ``[2]`` holding ``(scale, softcap)``,
             which replace the ``scale`` and ``softcap`` arguments.
+        k_scale_ptr, v_scale_ptr: float32 scalars of an fp8 cache (``K_SCALED``, ``V_SCALED``):
+            keys are ``k * k_scale``, values ``v * v_scale``.
         min_dist, max_dist: key ``j`` is visible from key position ``p`` when
             ``min_dist <= p - j <= max_dist``.
     """
@@ -165,6 +176,13 @@ def attention_kernel(
     else:  # Inductor passes a float that float32 cannot hold exactly as float64
         scale = tl.cast(scale, tl.float32)
         softcap = tl.cast(softcap, tl.float32)
+    if K_SCALED:  # scores (q . k) * k_scale * scale; the softcap sees the scaled score
+        scale = scale * tl.load(k_scale_ptr)
+    if V_SCALED:
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        v_scale = 1.0
+    compute_ty = q_ptr.dtype.element_ty  # K/V tiles of an fp8 cache are converted to it
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,7 +282,7 @@ def attention_kernel(
             v_rows = (kv_start + kpos).to(tl.int64) * stride_vb
         v_ptrs = (v_ptr + v_rows[:, None] + (kv_head + cols // HEAD_SIZE_PAD)[None, :] * stride_vh
                   + (cols % HEAD_SIZE_PAD)[None, :] * stride_vd)
-        v = tl.load(v_ptrs, mask=kv_ok[:, None] & col_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ok[:, None] & col_ok[None, :], other=0.0).to(compute_ty)
         if STACKED:  # [k1 | k2], addressed as [v1 | v2]
             k_ptrs = (k_ptr + k_rows[:, None] + (kv_head + cols // HEAD_SIZE_PAD)[None, :] * stride_kh
                       + (cols % HEAD_SIZE_PAD)[None, :] * stride_kd)
@@ -272,11 +290,11 @@ def attention_kernel(
         else:
             k_ptrs = k_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd
             k_mask = kv_ok[:, None] & dim_ok[None, :]
-        k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(compute_ty)
         dist = pos[:, None] - kpos[None, :]
         s1 = _scores(q1, k1, dist, scale, softcap, slope1, SOFTCAP, ALIBI, RUNTIME_SCALARS)
         if TWO_STATES:
-            k2 = tl.load(k_ptrs + stride_kh, mask=k_mask, other=0.0)
+            k2 = tl.load(k_ptrs + stride_kh, mask=k_mask, other=0.0).to(compute_ty)
             s2 = _scores(q2, k2, dist, scale, softcap, slope2, SOFTCAP, ALIBI, RUNTIME_SCALARS)
         if (kv_tile * TILE_N < full_lo) | ((kv_tile + 1) * TILE_N > full_hi):  # edge tile
             visible = (dist >= min_dist) & (dist <= max_dist) & kv_ok[None, :]
@@ -296,10 +314,10 @@ def attention_kernel(
         part = (out_ptr + split * stride_os + token[:, None] * stride_ot
                 + q_head[:, None] * stride_oh + col_offset[None, :] * stride_od)
         lse = lse_ptr + split * stride_ls + token * stride_lt + q_head * stride_lh
-        tl.store(part, _normalize(acc1, l1), mask=out_mask)
+        tl.store(part, _normalize(acc1, l1) * v_scale, mask=out_mask)
         tl.store(lse, _log_sum_exp(m1, l1), mask=row_ok)
         if TWO_STATES:
-            tl.store(part + stride_oh, _normalize(acc2, l2), mask=out_mask)
+            tl.store(part + stride_oh, _normalize(acc2, l2) * v_scale, mask=out_mask)
             tl.store(lse + stride_lh, _log_sum_exp(m2, l2), mask=row_ok)
     elif DIFFERENTIAL:
         if STACKED:  # rows [q1 rows; q2 rows] -> o1, o2 of the first COMPONENT_ROWS rows
@@ -317,8 +335,8 @@ def attention_kernel(
             lam = tl.zeros([COMPONENT_ROWS], tl.float32) + tl.load(lambda_ptr).to(tl.float32)
         out = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                + col_offset[None, :] * stride_od)
-        tl.store(out, (o1 - lam[:, None] * o2).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out, ((o1 - lam[:, None] * o2) * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         out = (out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                + col_offset[None, :] * stride_od)
-        tl.store(out, _normalize(acc1, l1).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out, (_normalize(acc1, l1) * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask)

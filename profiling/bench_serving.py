@@ -1,0 +1,135 @@
+"""Serving benchmark: seeded synthetic traffic through the engine, TTFT and TPOT percentiles.
+
+Requests arrive as a Poisson process (``--rate`` per second) with long-tailed (log-normal)
+prompt and output lengths, and are stepped through :class:`compiled_attn.engine.Engine`;
+a request's *TTFT* is the wall time from its arrival to the step that gave its first
+token, its *TPOT* the mean time between its later tokens. Two scenarios, each run with the
+engine features off and on, on the same traffic:
+
+* ``system-prompt``: every prompt starts with one shared system prompt
+  (``--system-prompt-len``); with and without prefix caching (target: TTFT p50 >= 3x lower);
+* ``long-prompts``: short requests decode while long prompts (``--long-prompt-len``)
+  arrive; without a token budget and with ``max_num_batched_tokens`` (chunked prefill);
+  the anchor is the TPOT of the short requests alone (target: p99 <= 2x that).
+
+The model is the bench's ~1.1 B DiffLlama on CUDA and the embedded default on the CPU
+(random weights, greedy). Appends to ``<results-dir>/serving.md`` and ``serving.jsonl``.
+
+    python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from compiled_attn.benchmark import BENCH_CONFIG
+from compiled_attn.engine import Engine
+from compiled_attn.models import build_random_model, default_config
+from compiled_attn.results import ResultRow, write_results
+from compiled_attn.sampling import SamplingParams
+
+
+def traffic(n: int, rate: float, vocab: int, seed: int, system: list[int], mean_prompt: int, mean_output: int,
+            max_len: int) -> list[tuple[float, list[int], int]]:
+    """``(arrival seconds, prompt ids, max_new_tokens)`` of ``n`` requests."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        prompt_len = max(1, min(int(rng.lognormvariate(0, 0.8) * mean_prompt), max_len // 2))
+        output_len = max(2, min(int(rng.lognormvariate(0, 0.8) * mean_output), max_len // 4))
+        arrivals.append((t, system + [rng.randrange(vocab) for _ in range(prompt_len)], output_len))
+    return arrivals
+
+
+def serve(engine: Engine, arrivals) -> tuple[list[dict], float, int]:
+    """Step ``engine`` over ``arrivals`` in wall time. Returns one record per request
+    (``prompt``, ``ttft`` and ``tpot`` in seconds, ``tpot`` ``None`` for a single token),
+    the wall seconds and the tokens generated."""
+    start, pending, live = time.perf_counter(), list(arrivals), []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            arrival, prompt, new_tokens = pending.pop(0)
+            live.append((arrival, prompt, engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)), []))
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][0] - now))
+            continue
+        engine.step()
+        now = time.perf_counter() - start
+        for _, _, request, stamps in live:
+            stamps.extend([now] * (len(request.output_ids) - len(stamps)))
+    records = [{"prompt": prompt, "ttft": stamps[0] - arrival,
+                "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None}
+               for arrival, prompt, _, stamps in live]
+    return records, time.perf_counter() - start, sum(len(stamps) for *_, stamps in live)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--requests", type=int, default=None, help="default: 64 on cuda, 16 on cpu")
+    parser.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 8 cuda, 2 cpu)")
+    parser.add_argument("--system-prompt-len", type=int, default=None, help="default: 1024 cuda, 96 cpu")
+    parser.add_argument("--long-prompt-len", type=int, default=None, help="default: 8192 cuda, 256 cpu")
+    parser.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: 512 cuda, 32 cpu)")
+    parser.add_argument("--results-dir", default="profiling/results")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    config = BENCH_CONFIG if cuda else default_config()
+    n = args.requests or (64 if cuda else 16)
+    rate = args.rate or (8.0 if cuda else 2.0)
+    system_len = args.system_prompt_len or (1024 if cuda else 96)
+    long_len = args.long_prompt_len or (8192 if cuda else 256)
+    budget = args.budget or (512 if cuda else 32)
+    max_len = max(2 * long_len, 4 * system_len, 512)
+    model = build_random_model(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=args.device)
+    vocab = config.vocab_size
+
+    def engine(**kwargs) -> Engine:
+        return Engine(model, max_model_len=max_len, max_num_seqs=64 if cuda else 16,
+                      num_blocks=-(-n * max_len // 16) // 4, **kwargs)
+
+    rows = []
+    system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]
+    shared = traffic(n, rate, vocab, args.seed, system, 64, 64, max_len)
+    runs = {caching: serve(engine(enable_prefix_caching=caching), shared) for caching in (False, True)}
+    case = f"{n} requests, {rate}/s, shared system prompt {system_len}"
+    for name, q in (("p50", 50), ("p99", 99)):
+        ttft = {caching: percentile([r["ttft"] for r in records], q) * 1e3 for caching, (records, _, _) in runs.items()}
+        rows.append(ResultRow(f"{case}: TTFT {name}, prefix caching", "ms", ttft[True], "without ms", ttft[False],
+                              "<= 0.33" if q == 50 else ""))
+    for caching, (_, seconds, tokens) in runs.items():
+        rows.append(ResultRow(f"{case}: throughput, prefix caching {'on' if caching else 'off'}", "tokens/s",
+                              tokens / seconds, "-", 1))
+
+    short = traffic(n, rate, vocab, args.seed + 1, [], 32, 64, max_len)
+    longs = [(t, [random.Random(i).randrange(vocab) for _ in range(long_len)], 4)
+             for i, (t, _, _) in enumerate(traffic(max(2, n // 8), rate / 8, vocab, args.seed + 2, [], 1, 1, max_len))]
+    mixed = sorted(short + longs, key=lambda a: a[0])
+    alone, _, _ = serve(engine(enable_prefix_caching=False), short)
+    alone_p99 = percentile([r["tpot"] for r in alone if r["tpot"] is not None], 99) * 1e3
+    short_prompts = {id(prompt) for _, prompt, _ in short}
+    for label, kwargs in (("no budget", {}), (f"budget {budget}", {"max_num_batched_tokens": budget})):
+        records, _, _ = serve(engine(enable_prefix_caching=False, **kwargs), mixed)
+        tpot = [r["tpot"] for r in records if id(r["prompt"]) in short_prompts and r["tpot"] is not None]
+        rows.append(ResultRow(f"{n} short requests + {len(longs)} prompts of {long_len}: TPOT p99 of the short, "
+                              f"{label}", "ms", percentile(tpot, 99) * 1e3, "short requests alone p99 ms", alone_p99,
+                              "<= 2" if kwargs else ""))
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
+                                                            f"({'bf16' if cuda else 'fp32'}), {device}"))
+
+
+if __name__ == "__main__":
+    main()
