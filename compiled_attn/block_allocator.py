@@ -17,6 +17,8 @@ when a free block is needed.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Sequence
 
@@ -38,10 +40,13 @@ def slot_of(block_table, position, block_size: int):
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block from its parent's hash (``None`` for the first block) and its
-    token ids."""
-    return hash((parent, tuple(token_ids)))
+def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of a full block's parent hash (``None`` for the first block) and its token
+    ids: equal digests mean equal prefixes (a collision of Python's ``hash`` would reuse
+    another prompt's K/V; vLLM moved to SHA-256 for that reason, CVE-2025-25183)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockAllocator:
@@ -64,11 +69,11 @@ class BlockAllocator:
         self.prefix_caching = prefix_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}  # block id -> hash, for registered blocks
-        self._block_of: dict[int, int] = {}  # hash -> block id
+        self._hash_of: dict[int, bytes] = {}  # block id -> hash, for registered blocks
+        self._block_of: dict[bytes, int] = {}  # hash -> block id
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free registered blocks, oldest first
         self.block_tables: dict[int, list[int]] = {}
-        self._hashes: dict[int, list[int]] = {}  # seq id -> hashes of its registered full blocks
+        self._hashes: dict[int, list[bytes]] = {}  # seq id -> hashes of its leading full blocks
 
     @property
     def num_free_blocks(self) -> int:

@@ -9,6 +9,7 @@ Examples::
     compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
     compiled-attn generate --device cuda --profile runs/trace --profile-shapes --profile-stack
     compiled-attn profile-report runs/trace             # runs/trace/<worker>.<ns>.report.html
+    torchrun --nproc-per-node 2 -m compiled_attn.cli generate --tensor-parallel-size 2   # tensor parallel
     compiled-attn bench --batch-sizes 1 64
     compiled-attn train --out runs/default              # the shipped ~7 M model (H200: a few minutes)
     compiled-attn train --tiny --steps 50 --seq-len 128 --batch-rows 8 --no-compile   # CPU smoke run
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,9 +27,11 @@ from pathlib import Path
 import torch
 
 from .benchmark import run_bench
+from .distributed import destroy_tensor_parallel, get_tp_rank, init_tensor_parallel
 from .engine import Engine
 from .kv_cache import KV_CACHE_DTYPES, OutOfBlocksError, calibrate_kv_scales
 from .models import build_random_model, default_config, load_diffllama
+from .models.sharding import shard_model
 from .ops.backends import compiled_variants
 from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
@@ -83,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch-size", type=_positive_int, default=128,
                      help="most sequences decoding at once, also the largest captured graph")
     gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                     help="shard the model over N ranks (Megatron style); run under "
+                          "torchrun --nproc-per-node N -m compiled_attn.cli generate ...; rank 0 prints")
     gen.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
     gen.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -153,10 +160,17 @@ def generate(args, tokenizer) -> dict:
         raise ValueError(f"{' '.join(flags)} needs --profile DIR")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
+    if args.tensor_parallel_size > 1:
+        if int(os.environ.get("WORLD_SIZE", 1)) != args.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes: run "
+                             f"torchrun --nproc-per-node {args.tensor_parallel_size} -m compiled_attn.cli generate ...")
+        tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     if args.model is None:
         model = build_random_model(default_config(), seed=args.seed, dtype=dtype, device=args.device)
     else:
         model = load_diffllama(args.model, dtype=dtype, device=args.device)
+    if args.tensor_parallel_size > 1:
+        model = shard_model(model, tp)
     load_seconds = time.perf_counter() - start
     prompts = _read_prompts(args, tokenizer)
     if args.calculate_kv_scales and args.kv_cache_dtype == "auto":
@@ -279,10 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OutOfBlocksError) as err:
         print(f"compiled-attn: error: {err}", file=sys.stderr)
         return 2
+    if get_tp_rank() != 0:  # every rank generated the same tokens: rank 0 prints them
+        destroy_tensor_parallel()
+        return 0
     if args.json:
         print(json.dumps(result))
     else:
         _print_text(result, [tokenizer.decode(c["prompt_ids"]) for c in result["completions"]])
+    destroy_tensor_parallel()
     return 0
 
 

@@ -142,6 +142,9 @@ class Engine:
         config = model.config
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
+        # A tensor-parallel shard's own head counts (compiled_attn.models.sharding): its cache
+        # holds this rank's KV heads; every rank runs the same schedule on the gathered logits.
+        self.local_config = getattr(model, "tp_config", config)
         self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         sizes = {"max_model_len": self.max_model_len, "block_size": block_size, "max_num_seqs": max_num_seqs,
                  "num_blocks": 1 if num_blocks is None else num_blocks}
@@ -150,6 +153,8 @@ class Engine:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         if max_num_batched_tokens is not None and (
                 isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
                 or max_num_batched_tokens < block_size):
@@ -164,7 +169,7 @@ class Engine:
             num_blocks = min(8 * self.max_blocks_per_seq, -(-DEFAULT_CACHE_TOKENS // block_size))
         with engine_mode():  # never inference tensors: the steps write them in place
             self.kv_cache = KVCache.allocate(
-                model.num_cache_layers, num_blocks, block_size, config.num_key_value_heads,
+                model.num_cache_layers, num_blocks, block_size, self.local_config.num_key_value_heads,
                 config.head_dim, self.kv_cache_dtype, self.device, prefix_caching=enable_prefix_caching,
                 kv_scales=kv_scales,
             )
@@ -460,7 +465,7 @@ class Engine:
             prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths if self._fits(b, n, 1)]
             graphed = self.runner.capture_sizes[-1] if self.cuda_graphs else 0
             decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1) if self._fits(b, 1, 2)]
-            config = self.model.config
+            config = self.local_config
             heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
             max_kv_len = self.max_blocks_per_seq * self.kv_cache.block_size
             for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()

@@ -90,7 +90,7 @@ def _run(fn, *args, **kwargs) -> Tensor:
 
 
 def _uniform_cu_seqlens(batch: int, seqlen: int, device) -> Tensor:
-    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
 
 
 def _dense_lse(q: Tensor, k: Tensor, key_start: Tensor, key_end: Tensor, scale: float, causal: bool,
@@ -205,6 +205,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
            f"cu_seqlens_q and cu_seqlens_k must both be (batch_size + 1,), got {tuple(cu_seqlens_q.shape)} and "
            f"{tuple(cu_seqlens_k.shape)}")
     options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    if not torch.compiler.is_compiling() and values_readable(cu_seqlens_q) and cu_seqlens_q.numel():
+        # flash-attn allows buffers longer than the tokens (rows past cu_seqlens[-1], e.g.
+        # padding to a static shape); eagerly they are left out and their output is zeros
+        # (compiled, our ops leave those rows unspecified, as flash-attn does).
+        used_q, used_k = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+        if used_q < q.shape[0] or (block_table is None and used_k < k.shape[0]):
+            keys = slice(None) if block_table is not None else slice(0, used_k)
+            out = flash_attn_varlen_func(q[:used_q], k[keys], v[keys], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, return_attn_probs, block_table)
+            out, rest = (out, ()) if not return_attn_probs else (out[0], out[1:])
+            full = torch.cat((out, out.new_zeros(q.shape[0] - used_q, *out.shape[1:])))
+            if not return_attn_probs:
+                return full
+            lse = torch.cat((rest[0], rest[0].new_full((rest[0].shape[0], q.shape[0] - used_q), torch.inf)), dim=1)
+            return full, lse, None
     if block_table is None:
         out = _run(ops.varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     else:
@@ -288,8 +304,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k, v: ``(batch_size, seqlen_new, nheads_k, headdim)`` or ``None``.
         rotary_cos, rotary_sin: must be ``None`` (``NotImplementedError``; apply rotary
             before the call); rotary_interleaved: then unused.
-        cache_seqlens: int or ``(batch_size,)`` int32 cached lengths (before ``k``); ``None``:
-            the whole row (``seqlen_cache``; non-paged and without ``k`` only).
+        cache_seqlens: int or ``(batch_size,)`` int32 cached lengths (before ``k``); ``None``
+            (without ``k`` only): the whole row, ``seqlen_cache`` or the whole block table.
         cache_batch_idx: ``(batch_size,)`` int32 rows of a non-paged cache.
         cache_leftpad: ``(batch_size,)`` int32 first valid cache position (non-paged, cache
             contiguous in its first two dims).
@@ -329,10 +345,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_common(q, k, v, 0.0, None)
         _check(k.dim() == 4 and k.shape[0] == batch and k.shape[2:] == k_cache.shape[2:],
                f"k must be (batch_size={batch}, seqlen_new, {k_cache.shape[2]}, {head_size}), got {tuple(k.shape)}")
-    if cache_seqlens is None:  # flash-attn: every row full
-        _check(k is None and not paged, "If key is supplied (or the cache is paged), cache_seqlens must also be "
-                                        "passed in")
-        cache_seqlens = torch.full((batch,), k_cache.shape[1], dtype=torch.int32, device=device)
+    if cache_seqlens is None:  # flash-attn: every row full (a paged row: its whole block table)
+        _check(k is None, "If key is supplied, cache_seqlens must also be passed in")
+        full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=device)
     elif isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     _check(cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (batch,),
@@ -363,6 +379,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if seqlen_new:
             slots = rows.long()[:, None] * k_cache.shape[1] + positions
     if not torch.compiler.is_compiling() and values_readable(cache_seqlens):
+        if cache_batch_idx is not None and batch:
+            _check(cache_batch_idx.dtype == torch.int32 and bool(((cache_batch_idx >= 0)
+                                                                 & (cache_batch_idx < k_cache.shape[0])).all()),
+                   f"cache_batch_idx must be int32 rows in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
+        if cache_leftpad is not None and batch:
+            _check(bool(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all()),
+                   f"cache_leftpad must lie in [0, cache_seqlens]; got {cache_leftpad.tolist()} for cache_seqlens "
+                   f"{cache_seqlens.tolist()}")
         longest = int((cache_seqlens + seqlen_new).max()) if batch else 0
         _check(longest <= capacity, f"cache_seqlens + seqlen_new reaches {longest} keys, beyond the "
                                     f"{'block table' if paged else 'cache'} ({capacity} keys)")

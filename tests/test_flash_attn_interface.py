@@ -282,3 +282,39 @@ def test_compiled_decode_loop_has_no_graph_break_and_matches_eager():
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(compiled_cache, eager_cache)
+
+
+def test_varlen_buffers_longer_than_the_tokens_are_allowed():
+    """flash-attn accepts rows past ``cu_seqlens[-1]`` (padding to a static shape); the
+    used rows equal the unpadded call, the spare ones are zeros (lse ``+inf``)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v, cu_q, cu_k = varlen_batch(g, "cpu")
+    pad_q, pad_k = rand((3, H, D), g, "cpu"), rand((5, HKV, D), g, "cpu")
+    want, want_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, causal=True, return_attn_probs=True)
+    got, lse, _ = flash_attn_varlen_func(torch.cat((q, pad_q)), torch.cat((k, pad_k)), torch.cat((v, pad_k)),
+                                         cu_q, cu_k, 7, 10, causal=True, return_attn_probs=True)
+    assert torch.equal(got[:q.shape[0]], want) and not got[q.shape[0]:].any()
+    assert torch.equal(lse[:, :q.shape[0]], want_lse) and torch.isinf(lse[:, q.shape[0]:]).all()
+
+
+def test_paged_kvcache_without_cache_seqlens_reads_the_whole_table():
+    g = torch.Generator().manual_seed(10)
+    call, _ = kvcache_case(g, "cpu", paged=True, batch_idx=False, leftpad=False, new=0)
+    full = torch.full((3,), call["block_table"].shape[1] * call["k_cache"].shape[1], dtype=torch.int32)
+    assert torch.equal(flash_attn_with_kvcache(**{**call, "cache_seqlens": None}),
+                       flash_attn_with_kvcache(**{**call, "cache_seqlens": full}))
+
+
+def test_kvcache_argument_errors_use_flash_attns_names():
+    g = torch.Generator().manual_seed(11)
+    call, _ = kvcache_case(g, "cpu", paged=False, batch_idx=True, leftpad=True, new=0)
+    with pytest.raises(RuntimeError, match="cache_leftpad must lie in"):
+        flash_attn_with_kvcache(**{**call, "cache_leftpad": torch.tensor([9, 0, 0], dtype=torch.int32)})
+    with pytest.raises(RuntimeError, match="cache_batch_idx must be int32 rows"):
+        flash_attn_with_kvcache(**{**call, "cache_batch_idx": torch.tensor([5, 0, 1], dtype=torch.int32)})
+
+
+def test_empty_queries_give_an_empty_output():
+    g = torch.Generator().manual_seed(12)
+    q, k = rand((2, 0, H, D), g, "cpu"), rand((2, 5, HKV, D), g, "cpu")
+    assert flash_attn_func(q, k, k).shape == (2, 0, H, D)

@@ -208,3 +208,8 @@ def test_bad_n_is_a_clear_error(model):
         SamplingParams(n=2.0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine(model, num_blocks=100, max_num_seqs=2).add_request([1, 2], SamplingParams(n=3))
+
+
+def test_enable_prefix_caching_must_be_a_bool(model):
+    with pytest.raises(TypeError, match="enable_prefix_caching must be a bool"):
+        engine(model, enable_prefix_caching="no")

@@ -26,7 +26,8 @@ from ..metadata import AttentionMetadata
 from ..ops.attention import PAGED_ATTENTION, VARLEN_ATTENTION
 from ..ops.cache import RESHAPE_AND_CACHE
 from ..ops.validation import check_head_size, check_heads
-from .linear import linear
+from ..distributed import TensorParallel
+from .linear import linear, row_parallel_linear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -57,7 +58,13 @@ class Attention(nn.Module):
 
     Raises:
         ValueError: head counts or head size the ops don't support, bad window.
+
+    ``tp``: ``None``, or the :class:`~compiled_attn.distributed.TensorParallel` of a
+    sharded layer (set by :func:`compiled_attn.models.sharding.shard_model`; its head
+    counts are then this rank's).
     """
+
+    tp: TensorParallel | None = None
 
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int | None = None, *,
@@ -132,4 +139,4 @@ class Attention(nn.Module):
         (norm and residual optional, fused into the projections); writes this step's K/V
         to ``kv_cache``."""
         q, k, v = self.project(hidden, md.positions, input_norm)
-        return linear(self.attend(q, k, v, md, kv_cache).flatten(1), self.o_proj, residual=residual)
+        return row_parallel_linear(self.attend(q, k, v, md, kv_cache).flatten(1), self.o_proj, residual, self.tp)

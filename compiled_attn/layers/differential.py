@@ -20,7 +20,7 @@ from torch import nn
 from ..metadata import AttentionMetadata
 from ..ops.validation import check_heads
 from .attention import Attention, KVCacheLayer
-from .linear import linear
+from .linear import row_parallel_linear
 from .norm import RMSNorm
 
 
@@ -71,4 +71,4 @@ class DifferentialAttention(Attention):
         q, k, v = self.project(hidden, md.positions, input_norm)
         pairs = self.attend(q, k, v, md, kv_cache, self.lambda_full())  # [T, H/2, 2D]
         pairs = self.subln(pairs) * (1 - self.lambda_init)
-        return linear(pairs.flatten(1), self.o_proj, residual=residual)
+        return row_parallel_linear(pairs.flatten(1), self.o_proj, residual, self.tp)

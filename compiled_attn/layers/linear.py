@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import TensorParallel, all_reduce
 from ..ops import reference
 from ..ops.linear import FUSED_LINEAR
 from .norm import RMSNorm
@@ -39,3 +40,18 @@ def linear(x: torch.Tensor, layer: nn.Linear, norm: RMSNorm | None = None,
     args = (x, layer.weight, layer.bias, None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps, residual, silu_and_mul)
     return reference.fused_linear(*args) if x.is_cpu else FUSED_LINEAR(*args)
+
+
+def row_parallel_linear(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None,
+                        tp: TensorParallel | None) -> torch.Tensor:
+    """:func:`linear` of a row-parallel (fan-in) projection: ``residual + layer(x)``.
+
+    With ``tp`` (more than one rank), ``layer`` holds this rank's input rows and ``x`` the
+    matching features, so the ranks' partial products sum to the full one: one all-reduce
+    (Megatron-LM, arXiv 1909.08053 §3; vLLM ``RowParallelLinear``). Rank 0 alone adds
+    ``residual`` (and holds the bias, see :func:`compiled_attn.models.sharding.shard_model`),
+    so both are counted once. ``tp=None``: plain :func:`linear`.
+    """
+    if tp is None:
+        return linear(x, layer, residual=residual)
+    return all_reduce(linear(x, layer, residual=residual if tp.rank == 0 else None), tp)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import TensorParallel, all_gather
 from ..layers import Attention, DifferentialAttention, RMSNorm, linear
+from ..layers.linear import row_parallel_linear
 from ..metadata import AttentionMetadata
 from .config import DiffLlamaConfig
 
@@ -35,8 +37,11 @@ class MLP(nn.Module):
     hidden_size]``, gate rows first; vLLM ``MergedColumnParallelLinear``); ``down_proj``
     is ``[hidden_size, intermediate_size]``. No biases. Input and output ``[T, hidden_size]``;
     the block's RMSNorm before it and the residual add after it are fused into the GEMMs
-    (:func:`compiled_attn.layers.linear`).
+    (:func:`compiled_attn.layers.linear`). ``tp``: set on a tensor-parallel shard (see
+    :mod:`compiled_attn.models.sharding`), whose ``down_proj`` output is all-reduced.
     """
+
+    tp: TensorParallel | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -47,7 +52,7 @@ class MLP(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + mlp(input_norm(x))`` (norm and residual optional)."""
         hidden = linear(x, self.gate_up_proj, input_norm, silu_and_mul=True)
-        return linear(hidden, self.down_proj, residual=residual)
+        return row_parallel_linear(hidden, self.down_proj, residual, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -117,7 +122,12 @@ class DiffLlamaForCausalLM(nn.Module):
     ``num_cache_layers`` cache pairs of shape ``[num_blocks, block_size,
     num_key_value_heads, head_dim]`` serve it (layers with ``kv_sharing`` read another
     layer's pair).
+
+    ``tp``: ``None``, or on a tensor-parallel shard (:func:`compiled_attn.models.sharding.shard_model`)
+    its group: ``lm_head`` then holds this rank's vocabulary rows and the logits are gathered.
     """
+
+    tp: TensorParallel | None = None
 
     def __init__(self, config: DiffLlamaConfig, differential: bool = True) -> None:
         super().__init__()
@@ -152,7 +162,10 @@ class DiffLlamaForCausalLM(nn.Module):
         hidden = self.model(md, kv_caches, final_norm=False)
         if not all_logits:
             hidden = hidden[md.last_token_indices()]  # the norm is per row: select first
-        return linear(hidden, self.lm_head, self.model.norm).float()
+        logits = linear(hidden, self.lm_head, self.model.norm)
+        if self.tp is not None:
+            logits = all_gather(logits, self.tp)  # [rows, vocab / tp] -> [rows, vocab]
+        return logits.float()
 
 
 def build_random_model(config: DiffLlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,122 @@
+"""Tensor-parallel process group and the two collectives the sharded model needs.
+
+Megatron-style tensor parallelism (Shoeybi et al., "Megatron-LM", arXiv 1909.08053 §3; vLLM's
+``ColumnParallelLinear`` / ``RowParallelLinear``): each rank holds a column slice of the
+projections that fan out (``qkv_proj``, ``gate_up_proj``, ``lm_head``) and a row slice of
+those that fan in (``o_proj``, ``down_proj``), so one **all-reduce** per fan-in GEMM and one
+**all-gather** of the logits make every rank's output equal the unsharded model's.
+
+Built on ``torch.distributed`` (NCCL on GPUs, gloo on CPUs). The collectives are
+``torch.distributed._functional_collectives``: they return new tensors instead of writing in
+place, so ``torch.compile(fullgraph=True)`` traces them into the graph (no graph break) and a
+CUDA graph captures them. A :class:`TensorParallel` with ``world_size == 1`` never calls them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's place in the tensor-parallel group.
+
+    Attributes:
+        rank: this process's index in the group, ``0 <= rank < world_size``.
+        world_size: ranks in the group (1: no parallelism, no collectives).
+        group_name: the ``ProcessGroup.group_name`` the functional collectives run on (a
+            string, so compiled graphs hold a constant, not a Python object).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world_size, int) and self.world_size >= 1
+                and isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"need 0 <= rank < world_size and world_size >= 1, got rank={self.rank!r}, "
+                             f"world_size={self.world_size!r}")
+
+
+_TP = TensorParallel()
+
+
+def init_tensor_parallel(world_size: int | None = None, rank: int | None = None, backend: str | None = None,
+                         init_method: str | None = None) -> TensorParallel:
+    """Join (or start) the default process group and make it this process's TP group.
+
+    Args:
+        world_size, rank: explicit values, or ``None`` to read torchrun's ``WORLD_SIZE`` /
+            ``RANK`` environment (default 1 and 0: a single process).
+        backend: ``"nccl"`` / ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        init_method: as :func:`torch.distributed.init_process_group` (default ``env://``,
+            which needs ``MASTER_ADDR`` / ``MASTER_PORT``, set by torchrun).
+
+    With CUDA, the current device becomes ``LOCAL_RANK`` (default ``rank``). A world of one
+    initializes nothing. Returns the :class:`TensorParallel`, also kept for :func:`get_tp`.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world_size)``, or a process group already
+            initialized with another size.
+    """
+    global _TP
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    TensorParallel(rank, world_size)  # validates
+    if world_size == 1:
+        _TP = TensorParallel()
+        return _TP
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                         f"asked for rank {rank} of {world_size}")
+    _TP = TensorParallel(rank, world_size, dist.group.WORLD.group_name)
+    return _TP
+
+
+def get_tp() -> TensorParallel:
+    """This process's :class:`TensorParallel` (rank 0 of 1 before :func:`init_tensor_parallel`)."""
+    return _TP
+
+
+def get_tp_rank() -> int:
+    return _TP.rank
+
+
+def get_tp_world_size() -> int:
+    return _TP.world_size
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum of ``x`` over the group's ranks (a new tensor, same shape); ``x`` itself when
+    ``world_size == 1``."""
+    if tp.world_size == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", tp.group_name))
+
+
+def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` in rank order (``[..., n, ...]`` ->
+    ``[..., world_size * n, ...]``); ``x`` itself when ``world_size == 1``."""
+    if tp.world_size == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), tp.group_name))
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group (if any) and reset :func:`get_tp` to a single process."""
+    global _TP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP = TensorParallel()

@@ -1,0 +1,133 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): a TP=2 shard gives the unsharded
+model's logits (fp32 tolerance) and, through the Engine, its greedy tokens, for a GQA and an
+MHA config (the MHA one with KV sharing, a sliding window, affine subln, biases and tied
+embeddings), differential and plain attention; and a clear error for sizes that don't split."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from compiled_attn.distributed import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from compiled_attn.engine import Engine
+from compiled_attn.metadata import SequenceChunk, build_metadata
+from compiled_attn.models import DiffLlamaConfig, build_random_model
+from compiled_attn.models.sharding import check_tensor_parallel, shard_model
+from compiled_attn.sampling import SamplingParams
+
+GQA = DiffLlamaConfig(
+    vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
+    bos_token_id=None, eos_token_id=None,
+)
+MHA = dataclasses.replace(
+    GQA, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, sliding_window=5,
+    subln_affine=True, kv_sharing={2: 0}, attention_bias=True, tie_word_embeddings=True,
+)
+CASES = [("gqa", GQA, True), ("mha", MHA, True), ("gqa-plain", GQA, False)]
+PROMPTS = [[1, 2, 3], [10, 11, 12, 13, 14, 15, 16], [40], [5, 9, 17, 33, 2]]
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(config, differential, seed=0):
+    model = build_random_model(config, seed=seed, differential=differential)
+    if config.attention_bias:  # random biases (the builder zeroes them)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model
+
+
+def _caches(model):
+    """Zeroed paged caches for the model's (or its shard's) KV heads: 2 blocks of 4 per prompt."""
+    config = getattr(model, "tp_config", model.config)
+    shape = (2 * len(PROMPTS), 4, config.num_key_value_heads, config.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_cache_layers)]
+
+
+def _worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(WORLD, rank, backend="gloo")
+    try:
+        for name, config, differential in CASES:
+            full, shard = _model(config, differential), shard_model(_model(config, differential), tp)
+            assert shard.lm_head.weight.shape[0] == config.vocab_size // WORLD
+            assert shard.model.layers[0].self_attn.num_kv_heads == config.num_key_value_heads // WORLD
+            md = build_metadata([SequenceChunk(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(PROMPTS)], 4, 2)
+            expected, got = (m(md, _caches(m), all_logits=True) for m in (full, shard))
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            params = SamplingParams(max_new_tokens=8)
+            outputs = []
+            for model in (full, shard):
+                engine = Engine(model, block_size=4, compile=False)
+                outputs.append([c.output_ids for c in engine.generate(PROMPTS, params)[0]])
+            sampled = [c.output_ids for c in Engine(shard, block_size=4, compile=False).generate(
+                PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9), seed=3)[0]]
+            results[(rank, name)] = (outputs[0], outputs[1], sampled)
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_tp2_matches_tp1():
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    for name, _, _ in CASES:
+        tp1, tp2, sampled = results[(0, name)]
+        assert tp2 == tp1, name  # greedy tokens identical
+        assert all(len(o) == 8 for o in tp2)
+        # every rank produced the same tokens (same gathered logits, same seeds)
+        assert results[(1, name)][1] == tp2 and results[(1, name)][2] == sampled, name
+
+
+def _compiled_worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(WORLD, rank, backend="gloo")
+    try:
+        engine = Engine(shard_model(_model(GQA, True), tp), block_size=4, compile=True)
+        tokens = [c.output_ids for c in engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))[0]]
+        stats = engine.compile_stats
+        results[rank] = (tokens, stats.graph_breaks, stats.recompiles)
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_tp2_compiled_has_no_graph_breaks():
+    """torch.compile(fullgraph=True) traces the functional collectives: no graph break, the
+    eager TP=1 tokens."""
+    results = mp.Manager().dict()
+    mp.spawn(_compiled_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    expected = [c.output_ids for c in Engine(_model(GQA, True), block_size=4, compile=False).generate(
+        PROMPTS, SamplingParams(max_new_tokens=8))[0]]
+    for rank in range(WORLD):
+        tokens, graph_breaks, recompiles = results[rank]
+        assert tokens == expected and graph_breaks == 0 and recompiles == 0
+
+
+def test_sizes_that_do_not_split_raise():
+    config = dataclasses.replace(GQA, num_key_value_heads=2)  # one KV pair
+    with pytest.raises(ValueError, match=r"KV head pairs \(num_key_value_heads / 2\) = 1"):
+        check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match="query head pairs"):
+        shard_model(build_random_model(dataclasses.replace(GQA, num_attention_heads=6, num_key_value_heads=2)),
+                    TensorParallel(0, 2))
+
+
+def test_world_of_one_is_unchanged():
+    model = build_random_model(GQA)
+    assert shard_model(model, TensorParallel()) is model
+    assert model.tp is None and all(getattr(m, "tp", None) is None for m in model.modules())
