@@ -422,18 +422,21 @@ class Engine:
         Runs synthetic requests (token id 0) through the ordinary steps: one prefill and one
         decode step (compiling the model and the sampler, capturing the CUDA graphs), and on
         CUDA one prefill per Triton kernel variant that a prefill batch within this engine's
-        limits can reach, plus one decode step per variant of the batch sizes that run
-        without a graph (:meth:`_warmup_batches`). Triton keeps what it compiled, so later
-        requests reuse it; the timings and the cache are left as before.
+        limits can reach, over contiguous k/v and over the paged cache (a mixed step, chunked
+        prefill or a prefix hit runs the paged kernel at prefill sizes), plus one decode step
+        per variant of the batch sizes that run without a graph (:meth:`_warmup_batches`).
+        Triton keeps what it compiled, so later requests reuse it; the timings and the cache
+        are left as before.
         """
         start = time.perf_counter()
         allocator = self.kv_cache.allocator
         prefix_caching, allocator.prefix_caching = allocator.prefix_caching, False  # every batch runs whole
         try:
-            for num_seqs, prompt_len, new_tokens in self._warmup_batches():
+            for num_seqs, prompt_len, new_tokens, paged in self._warmup_batches():
+                self.runner.paged_prefill = paged
                 self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
         finally:
-            allocator.prefix_caching = prefix_caching
+            allocator.prefix_caching, self.runner.paged_prefill = prefix_caching, False
         if self.cuda_graphs and self.runner.graph_runner is None:
             self.capture()
         if self.device.type == "cuda":
@@ -443,8 +446,9 @@ class Engine:
         self.scheduler.num_preemptions = 0
         return time.perf_counter() - start
 
-    def _warmup_batches(self) -> list[tuple[int, int, int]]:
-        """``(num_seqs, prompt_len, max_new_tokens)`` of the warm-up batches.
+    def _warmup_batches(self) -> list[tuple[int, int, int, bool]]:
+        """``(num_seqs, prompt_len, max_new_tokens, paged)`` of the warm-up batches (``paged``:
+        its prefill runs the paged kernel, see :attr:`ModelRunner.paged_prefill`).
 
         Every batch fits the engine's limits at once (:meth:`_fits`) and runs with the prefix
         cache off (so that each prefill runs whole). Prefill candidates:
@@ -455,7 +459,7 @@ class Engine:
         :func:`~compiled_attn.ops.triton_kernels.attention.distinct_variants` keeps the first
         batch of each kernel variant, per kind of attention layer.
         """
-        batches = [(1, 1, 2) if self._fits(1, 1, 2) else (1, 1, 1)]  # a prefill and a decode step
+        batches = [(1, 1, 2, False) if self._fits(1, 1, 2) else (1, 1, 1, False)]  # a prefill and a decode step
         if self.device.type == "cuda" and TRITON_AVAILABLE:
             from .ops.triton_kernels.attention import distinct_variants
 
@@ -471,11 +475,13 @@ class Engine:
             for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
                                  if isinstance(m, Attention)}:
                 variant = dict(differential=differential, dtype=self.dtype, device=self.device)
-                # an fp8 cache's prefills attend over the paged cache (see compiled_attn.layers.attention)
-                paged_prefill = dict(max_kv_len=max_kv_len) if self.kv_cache_dtype == torch.float8_e4m3fn else {}
-                batches += [(b, t // b, 1) for b, t in distinct_variants(prefills, *heads, **variant, **paged_prefill)]
-                batches += [(b, 1, 2) for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
-        return [batch for batch in dict.fromkeys(batches) if self._fits(*batch)]
+                if self.kv_cache_dtype != torch.float8_e4m3fn:  # an fp8 cache's prefills are paged anyway
+                    batches += [(b, t // b, 1, False) for b, t in distinct_variants(prefills, *heads, **variant)]
+                batches += [(b, t // b, 1, True)
+                            for b, t in distinct_variants(prefills, *heads, **variant, max_kv_len=max_kv_len)]
+                batches += [(b, 1, 2, False)
+                            for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
+        return [batch for batch in dict.fromkeys(batches) if self._fits(*batch[:3])]
 
     def _fits(self, num_seqs: int, prompt_len: int, new_tokens: int) -> bool:
         """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit this

@@ -89,6 +89,7 @@ class ModelRunner:
         self.capture_stats: CaptureStats | None = None
         self.decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in the buffers
         self._blocks_written: list[int] = []  # per buffer row, block-table entries written
+        self.paged_prefill = False  # run pure prefills through the paged kernel too (the engine's warm-up)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``(src, dst)`` in every layer (copy-on-write of shared blocks)."""
@@ -97,9 +98,9 @@ class ModelRunner:
             copy_blocks([layer[0] for layer in self.kv_cache.layers], [layer[1] for layer in self.kv_cache.layers],
                         torch.tensor(copies, dtype=torch.int64, device=self.device))
 
-    def run_chunks(self, chunks: list[Chunk], samples: list[tuple[int, Request]] | None = None) -> list[int]:
+    def run_chunks(self, chunks: list[Chunk], draws: list[tuple[int, Request]] | None = None) -> list[int]:
         """One forward over ``chunks`` (prefill chunks and decode rows, in any mix); returns
-        one sampled token per ``samples`` entry ``(chunk index, request whose sampling
+        one sampled token per ``draws`` entry ``(chunk index, request whose sampling
         parameters and seed draw it)``, by default one per chunk with its own request
         (meaningful for chunks that complete their request)."""
         allocator = self.kv_cache.allocator
@@ -108,21 +109,23 @@ class ModelRunner:
                            c.request.num_computed, allocator.block_tables[c.request.request_id]) for c in chunks],
             self.kv_cache.block_size, self.max_blocks_per_seq, self.device, allocator.num_blocks)
         self.decode_layout = None  # the decode buffers no longer hold the rows' device state
+        if self.paged_prefill:
+            md.prefill_only = False
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        samples = samples or [(i, c.request) for i, c in enumerate(chunks)]
-        requests = [r for _, r in samples]
+        draws = draws or [(i, c.request) for i, c in enumerate(chunks)]
+        requests = [r for _, r in draws]
         logits = self.forward(md, self.kv_cache.layers)
-        if len(samples) != len(chunks):
-            logits = logits[column([i for i, _ in samples], torch.int64)]
+        if len(draws) != len(chunks):
+            logits = logits[column([i for i, _ in draws], torch.int64)]
         tokens = self.sampler(
             logits,
             column([r.params.temperature for r in requests], torch.float32),
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
-            column([chunks[i].request.num_computed + chunks[i].num_tokens for i, _ in samples], torch.int64),
+            column([chunks[i].request.num_computed + chunks[i].num_tokens for i, _ in draws], torch.int64),
         )
         return tokens.tolist()
 

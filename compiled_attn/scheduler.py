@@ -124,6 +124,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._copies: list[tuple[int, int]] = []  # the step being scheduled's block copies
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -136,7 +137,7 @@ class Scheduler:
         shared block a chunk writes), preempting as needed, and admits waiting requests."""
         budget = self.max_num_batched_tokens or float("inf")
         chunks: list[Chunk] = []
-        self._copies: list[tuple[int, int]] = []
+        self._copies = []
         preempted = False
         for request in list(self.running):
             if request not in self.running:  # preempted by an older request of this step

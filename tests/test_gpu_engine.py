@@ -177,6 +177,21 @@ def test_warmup_keeps_triton_compiles_out_of_requests():
         prompts = [[rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 200))] for _ in range(batch)]
         engine.generate(prompts, SamplingParams(max_new_tokens=5))
     assert compiled_variants() == before
+    # Mixed steps (prompts arriving while others decode) and chunked prefill run the paged
+    # kernel at prefill sizes: warmed up too.
+    mixed = Engine(model, compile=True, max_num_seqs=32, num_blocks=1024, max_num_batched_tokens=64)
+    before = compiled_variants()
+    decoding = [mixed.add_request([rng.randrange(CONFIG.vocab_size) for _ in range(20)],
+                                  SamplingParams(max_new_tokens=30)) for _ in range(3)]
+    for step in range(12):
+        if step % 3 == 1:
+            mixed.add_request([rng.randrange(CONFIG.vocab_size) for _ in range(rng.randint(1, 150))],
+                              SamplingParams(max_new_tokens=4))
+        mixed.step()
+    while mixed.has_unfinished():
+        mixed.step()
+    assert all(r.finish_reason for r in decoding)
+    assert compiled_variants() == before
     without_graphs = Engine(model, compile=True, cuda_graphs=False, max_num_seqs=32, num_blocks=1024)
     before = compiled_variants()
     for batch in (1, 5, 9, 31):

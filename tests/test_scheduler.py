@@ -213,3 +213,12 @@ def test_bad_n_is_a_clear_error(model):
 def test_enable_prefix_caching_must_be_a_bool(model):
     with pytest.raises(TypeError, match="enable_prefix_caching must be a bool"):
         engine(model, enable_prefix_caching="no")
+
+
+def test_prefills_through_the_paged_kernel_give_the_same_tokens(model, reference):
+    """The warm-up's ``paged_prefill`` (mixed steps' kernel at prefill sizes) computes the
+    same thing as the varlen path."""
+    prompts, params = workload(1)
+    e = engine(model, num_blocks=1000)
+    e.runner.paged_prefill = True
+    assert drive(e, prompts, params)[0] == reference
