@@ -37,7 +37,7 @@ from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
-from .train import add_train_arguments, run_train_command
+from .train_cli import add_train_arguments, run_train_command
 
 DEFAULT_PROMPTS = ("The differential transformer", "Paged attention keeps the KV cache in blocks")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -167,10 +167,11 @@ def generate(args, tokenizer) -> dict:
         tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     if args.model is None:
         model = build_random_model(default_config(), seed=args.seed, dtype=dtype, device=args.device)
-    else:
-        model = load_diffllama(args.model, dtype=dtype, device=args.device)
-    if args.tensor_parallel_size > 1:
-        model = shard_model(model, tp)
+        if args.tensor_parallel_size > 1:
+            model = shard_model(model, tp)
+    else:  # with tensor parallelism each rank reads only its slices of the checkpoint
+        model = load_diffllama(args.model, dtype=dtype, device=args.device,
+                               tp=tp if args.tensor_parallel_size > 1 else None)
     load_seconds = time.perf_counter() - start
     prompts = _read_prompts(args, tokenizer)
     if args.calculate_kv_scales and args.kv_cache_dtype == "auto":

@@ -22,11 +22,14 @@ from pathlib import Path
 
 import torch
 from einops import rearrange
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+from torch import nn
 
+from ..distributed import TensorParallel
 from .config import DiffLlamaConfig
 from .diffllama import DiffLlamaForCausalLM
+from .sharding import shard_model
 
 
 def halves_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -179,7 +182,7 @@ def _read_json(path: Path) -> dict:
 
 
 def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str = "cpu") -> DiffLlamaForCausalLM:
+                   device: torch.device | str = "cpu", tp: TensorParallel | None = None) -> DiffLlamaForCausalLM:
     """Build a :class:`DiffLlamaForCausalLM` from a Hugging Face DiffLlama directory.
 
     Args:
@@ -187,9 +190,12 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
             index).
         dtype: parameter dtype (float32, float16, bfloat16).
         device: where the model goes.
+        tp: load only rank ``tp.rank``'s shard (see :func:`_load_shard`): the result equals
+            ``shard_model(load_diffllama(model_dir, dtype, device), tp)``, but the rank reads
+            only its slices of the sharded tensors. ``None`` or a world of one: the whole model.
 
     Returns:
-        The model in eval mode with gradients off.
+        The model (or its shard) in eval mode with gradients off.
 
     Raises:
         FileNotFoundError: no ``model_dir``, no ``config.json``, no ``model.safetensors``
@@ -216,6 +222,8 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
+    if tp is not None and tp.world_size > 1:
+        return _load_shard(model_dir, config, tp).to(device=device, dtype=dtype)
     state = {}
     for path in _weight_files(model_dir):
         try:
@@ -225,22 +233,9 @@ def load_diffllama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         for name, tensor in tensors.items():
             _check_finite(name, tensor, path)
         state.update(tensors)
-    with torch.device("meta"):  # names and shapes only: nothing is allocated yet
-        skeleton = DiffLlamaForCausalLM(config)
-    expected = unfuse_state_dict(skeleton.state_dict(), config)  # Hugging Face names and shapes
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-        del expected["lm_head.weight"]
-    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        raise ValueError(
-            f"weights in {model_dir} do not match a DiffLlama of this config: "
-            f"missing {_first(missing)}, unexpected {_first(unexpected)}"
-        )
-    wrong = [f"{k} {list(state[k].shape)} (expected {list(v.shape)})"
-             for k, v in expected.items() if state[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"weights in {model_dir} do not fit the config: {_first(wrong)}")
+    _check_names_and_shapes(model_dir, config, {k: tuple(v.shape) for k, v in state.items()})
     for key in list(state):
         heads = projection_heads(key, config)
         if heads is not None:
@@ -263,3 +258,113 @@ def _check_finite(name: str, tensor: torch.Tensor, path: Path) -> None:
 
 def _first(items: list[str], n: int = 5) -> str:
     return f"{items[:n]}{'...' if len(items) > n else ''}"
+
+
+def _check_names_and_shapes(model_dir: Path, config: DiffLlamaConfig, shapes: dict[str, tuple]) -> None:
+    """Raise ValueError unless ``shapes`` (Hugging Face name -> shape, without ``lm_head``
+    when tied) are exactly the tensors of a DiffLlama of ``config``."""
+    with torch.device("meta"):  # names and shapes only: nothing is allocated
+        skeleton = DiffLlamaForCausalLM(config)
+    expected = unfuse_state_dict(skeleton.state_dict(), config)  # Hugging Face names and shapes
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {model_dir} do not match a DiffLlama of this config: "
+            f"missing {_first(missing)}, unexpected {_first(unexpected)}"
+        )
+    wrong = [f"{k} {list(shapes[k])} (expected {list(v.shape)})"
+             for k, v in expected.items() if tuple(shapes[k]) != tuple(v.shape)]
+    if wrong:
+        raise ValueError(f"weights in {model_dir} do not fit the config: {_first(wrong)}")
+
+
+class _SliceReader:
+    """Reads slices of named tensors from open safetensors files (``safe_open`` handles)."""
+
+    def __init__(self, handles: dict[str, tuple[object, Path]]) -> None:
+        self.handles = handles  # Hugging Face name -> (handle, path)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[name][0].get_slice(name).get_shape())
+
+    def __call__(self, name: str, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[a, b)`` or columns ``[a, b)`` (or all) of tensor ``name``, checked finite."""
+        handle, path = self.handles[name]
+        piece = handle.get_slice(name)
+        tensor = piece[rows[0]:rows[1]] if rows else piece[:, cols[0]:cols[1]] if cols else piece[:]
+        _check_finite(name, tensor, path)
+        return tensor
+
+
+def _pair_rows(read: _SliceReader, name: str, heads: int, head_dim: int, tp: TensorParallel) -> torch.Tensor:
+    """Rank ``tp.rank``'s pairs of a block-halves Q/K/V tensor, interleaved: in Hugging Face
+    rows ``(two, pair, d)`` the rank's pairs are one contiguous run in each half."""
+    pairs = heads // 2 // tp.world_size
+    halves = [read(name, rows=((two * heads // 2 + tp.rank * pairs) * head_dim,
+                               (two * heads // 2 + (tp.rank + 1) * pairs) * head_dim)) for two in (0, 1)]
+    return halves_to_interleaved(torch.cat(halves), 2 * pairs)
+
+
+def _read_shard_tensor(name: str, config: DiffLlamaConfig, tp: TensorParallel, read: _SliceReader) -> torch.Tensor:
+    """Rank ``tp.rank``'s value of our parameter ``name``, as :func:`shard_model` slices it,
+    read from the Hugging Face tensors (only the needed rows or columns)."""
+    r, w = tp.rank, tp.world_size
+    module_path, _, leaf = name.rpartition(".")
+    base, _, module = module_path.rpartition(".")
+
+    def chunk(n: int) -> tuple[int, int]:
+        return r * n // w, (r + 1) * n // w
+
+    if module in ("qkv_proj", "q_proj") and base.endswith("self_attn"):
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads,
+                 "v_proj": config.num_key_value_heads}
+        parts = ("q_proj", "k_proj", "v_proj") if module == "qkv_proj" else ("q_proj",)
+        return torch.cat([_pair_rows(read, f"{base}.{p}.{leaf}", heads[p], config.head_dim, tp) for p in parts])
+    if module == "gate_up_proj":
+        return torch.cat([read(f"{base}.{p}.{leaf}", rows=chunk(config.intermediate_size))
+                          for p in ("gate_proj", "up_proj")])
+    if module in ("o_proj", "down_proj"):
+        if leaf == "bias":  # added once, by rank 0
+            return read(name) if r == 0 else torch.zeros(read.shape(name))
+        return read(name, cols=chunk(read.shape(name)[1]))
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return read(name, rows=chunk(config.vocab_size))
+    return read(name)  # norms, lambdas, subln: replicated
+
+
+def _load_shard(model_dir: Path, config: DiffLlamaConfig, tp: TensorParallel) -> DiffLlamaForCausalLM:
+    """Rank ``tp.rank``'s shard, read with ``safe_open(...).get_slice``: the sharded
+    skeleton (:func:`shard_model` on the meta device) gives the names, and each parameter is
+    read as the rows or columns of the Hugging Face tensors that permutation, fusion and
+    sharding would keep. Non-persistent buffers (RoPE frequencies, ALiBi slopes) come from a
+    shard of a tiny model of the same heads and layers. Only the read slices are checked
+    finite; names and shapes are all checked, from the file headers, before any read."""
+    try:
+        handles = [(safe_open(path, framework="pt"), path) for path in _weight_files(model_dir)]
+    except SafetensorError as err:
+        raise ValueError(f"{model_dir} has a weight file that is not readable safetensors: {err}") from None
+    read = _SliceReader({name: (h, path) for h, path in handles for name in h.keys()})
+    shapes = {name: read.shape(name) for name in read.handles
+              if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    _check_names_and_shapes(model_dir, config, shapes)
+    with torch.device("meta"):
+        model = shard_model(DiffLlamaForCausalLM(config), tp)
+    tiny = dataclasses.replace(config, hidden_size=2, intermediate_size=tp.world_size, vocab_size=tp.world_size)
+    buffers = dict(shard_model(DiffLlamaForCausalLM(tiny), tp).named_buffers())
+    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: the first name
+    loaded: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) not in loaded:
+                value = _read_shard_tensor(names[id(param)], config, tp, read)
+                assert value.shape == param.shape, (names[id(param)], value.shape, param.shape)
+                loaded[id(param)] = nn.Parameter(value, requires_grad=False)
+            if param is not None:
+                module._parameters[key] = loaded[id(param)]
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffers[f"{prefix}.{key}" if prefix else key]
+    return model.eval().requires_grad_(False)
