@@ -7,25 +7,16 @@ collective)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from compiled_attn.distributed import TensorParallel
-from compiled_attn.models import DiffLlamaConfig, build_random_model, load_diffllama, save_diffllama
+from compiled_attn.models import build_random_model, load_diffllama, save_diffllama
 from compiled_attn.models import loader
 from compiled_attn.models.sharding import shard_model
 
-GQA = DiffLlamaConfig(
-    vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
-    bos_token_id=None, eos_token_id=None,
-)
-MHA = dataclasses.replace(
-    GQA, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, sliding_window=5,
-    subln_affine=True, kv_sharing={2: 0}, attention_bias=True, tie_word_embeddings=True,
-)
+from test_tensor_parallel import GQA, MHA  # the same two configs
+
 WORLD = 2
 SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
 
