@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--profile", type=Path, metavar="DIR",
                      help="write a torch.profiler trace of the timed run to DIR (TensorBoard/Perfetto)")
-    gen.add_argument("--profile-steps", type=_positive_int, default=8, help="engine steps to record with --profile")
+    gen.add_argument("--profile-steps", type=_positive_int, help="engine steps to record with --profile (default 8)")
     gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
                      help="with --profile on cuda: write a CUDA memory snapshot to FILE")
     gen.add_argument("--profile-shapes", action="store_true", help="with --profile: record ops' input shapes")
@@ -155,7 +155,8 @@ def generate(args, tokenizer) -> dict:
     if args.memory_snapshot is not None and (args.profile is None or args.device != "cuda"):
         raise ValueError("--memory-snapshot needs --profile DIR and --device cuda")
     flags = [f for f, on in (("--profile-shapes", args.profile_shapes), ("--profile-stack", args.profile_stack),
-                             ("--profile-memory", args.profile_memory)) if on]
+                             ("--profile-memory", args.profile_memory),
+                             ("--profile-steps", args.profile_steps is not None)) if on]
     if flags and args.profile is None:
         raise ValueError(f"{' '.join(flags)} needs --profile DIR")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
@@ -189,7 +190,7 @@ def generate(args, tokenizer) -> dict:
         completions, timings = engine.generate(prompts, params, seed=args.seed)
         profile = None
     else:
-        profiler = StepProfiler(args.profile, active=args.profile_steps, memory_snapshot=args.memory_snapshot,
+        profiler = StepProfiler(args.profile, active=args.profile_steps or 8, memory_snapshot=args.memory_snapshot,
                                 record_shapes=args.profile_shapes, with_stack=args.profile_stack,
                                 profile_memory=args.profile_memory, device=args.device)
         with profiler:

@@ -139,3 +139,5 @@ def test_bad_report_inputs_are_clean_errors(tmp_path, capsys):
 def test_profile_flags_need_profile(capsys):
     assert main(["generate", "--no-compile", "--prompt-ids", "1,2", "--profile-shapes", "--profile-memory"]) == 2
     assert "--profile-shapes --profile-memory needs --profile DIR" in capsys.readouterr().err
+    assert main(["generate", "--no-compile", "--prompt-ids", "1,2", "--profile-steps", "3"]) == 2
+    assert "--profile-steps needs --profile DIR" in capsys.readouterr().err
