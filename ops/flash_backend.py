@@ -132,13 +132,20 @@ def run(library: FlashLibrary, formulation: str, q, k, v, cu_seqlens_q, cu_seqle
     return (out1.float() - lam * out2.float()).to(q.dtype)
 
 
+def _formulation(q, lambda_full, alibi_slopes, scale_softcap) -> str | None:
+    """The :func:`plan` of the installed library for a call on ``q``, or ``None`` (no
+    library, not CUDA, no tokens, not covered)."""
+    library = find_library()
+    if library is None or not q.is_cuda or q.shape[0] == 0:
+        return None
+    return plan(library, q, lambda_full, alibi_slopes, scale_softcap)
+
+
 def covers(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
            alibi_slopes, scale_softcap) -> bool:
     """Whether the CUDA kernel of ``varlen_attention`` runs these schema arguments through
     flash-attn (CUDA tensors, a library, a :func:`plan`)."""
-    library = find_library()
-    return (library is not None and q.is_cuda and q.shape[0] > 0
-            and plan(library, q, lambda_full, alibi_slopes, scale_softcap) is not None)
+    return _formulation(q, lambda_full, alibi_slopes, scale_softcap) is not None
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
@@ -147,11 +154,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scal
     :func:`covers` the call, our Triton kernel otherwise (arguments as the op's schema)."""
     from .triton_kernels import varlen_attention as triton_varlen
 
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
-            alibi_slopes, scale_softcap)
-    if not covers(*args):
-        return triton_varlen(*args)
-    library = find_library()
+    formulation = _formulation(q, lambda_full, alibi_slopes, scale_softcap)
+    if formulation is None:
+        return triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                             window_right, softcap, alibi_slopes, scale_softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return run(library, plan(library, q, lambda_full, alibi_slopes, scale_softcap), q, k, v, cu_seqlens_q,
-               cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap)
+    return run(find_library(), formulation, q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
+               window_left, window_right, softcap)
