@@ -6,6 +6,8 @@ standard library's source.
 Examples::
 
     compiled-attn generate                              # embedded default model, CPU
+    compiled-attn generate --prompt "def fibonacci(n):" --max-new-tokens 96
+    compiled-attn generate --random-model --seed 3      # a seeded random model (tests)
     compiled-attn generate --model DIR --prompt "Hello" --max-new-tokens 64 --json
     compiled-attn generate --device cuda --profile runs/trace --profile-shapes --profile-stack
     compiled-attn profile-report runs/trace             # runs/trace/<worker>.<ns>.report.html
@@ -30,7 +32,7 @@ from .benchmark import run_bench
 from .distributed import destroy_tensor_parallel, get_tp_rank, init_tensor_parallel
 from .engine import Engine
 from .kv_cache import KV_CACHE_DTYPES, OutOfBlocksError, calibrate_kv_scales
-from .models import build_random_model, default_config, load_diffllama
+from .models import DEFAULT_MODEL_DIR, build_random_model, load_diffllama, random_model_config
 from .models.sharding import shard_model
 from .ops.backends import compiled_variants
 from .profile_report import write_report
@@ -39,7 +41,7 @@ from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 from .train_cli import add_train_arguments, run_train_command
 
-DEFAULT_PROMPTS = ("The differential transformer", "Paged attention keeps the KV cache in blocks")
+DEFAULT_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def push(self, item):")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -70,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compiled-attn", description="Differential-attention models, compiled whole, over a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with a differential-attention model")
-    gen.add_argument("--model", type=Path, help="Hugging Face DiffLlama directory (default: embedded small model)")
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path,
+                        help="Hugging Face DiffLlama directory (default: the embedded model, a ~7 M-parameter "
+                             "byte-level DiffLlama trained on Python's standard library)")
+    source.add_argument("--random-model", action="store_true",
+                        help="a seeded random model (random_model_config(), --seed) instead of the embedded one")
     prompts = gen.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
     prompts.add_argument("--prompt-file", type=Path, help="file with one prompt per line")
@@ -79,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of the default model)")
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of --random-model)")
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA-graph replay (cuda only)")
     gen.add_argument("--no-async-decode", action="store_true",
@@ -166,12 +173,12 @@ def generate(args, tokenizer) -> dict:
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes: run "
                              f"torchrun --nproc-per-node {args.tensor_parallel_size} -m compiled_attn.cli generate ...")
         tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
-    if args.model is None:
-        model = build_random_model(default_config(), seed=args.seed, dtype=dtype, device=args.device)
+    if args.random_model:
+        model = build_random_model(random_model_config(), seed=args.seed, dtype=dtype, device=args.device)
         if args.tensor_parallel_size > 1:
             model = shard_model(model, tp)
     else:  # with tensor parallelism each rank reads only its slices of the checkpoint
-        model = load_diffllama(args.model, dtype=dtype, device=args.device,
+        model = load_diffllama(args.model or DEFAULT_MODEL_DIR, dtype=dtype, device=args.device,
                                tp=tp if args.tensor_parallel_size > 1 else None)
     load_seconds = time.perf_counter() - start
     prompts = _read_prompts(args, tokenizer)
@@ -199,7 +206,7 @@ def generate(args, tokenizer) -> dict:
         profile = {"trace": str(trace), "summary": summarize_trace(trace)}
     stats, capture = engine.compile_stats, engine.capture_stats
     return {
-        "model": str(args.model) if args.model else "embedded-default",
+        "model": str(args.model) if args.model else f"random (seed {args.seed})" if args.random_model else "embedded-default",
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),

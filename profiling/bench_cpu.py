@@ -1,7 +1,7 @@
 """CPU decode step: our engine against transformers' DiffLlama on the same weights.
 
 The main CPU job, ``compiled-attn generate`` with the embedded default model
-(``default_config()``, 4 layers, hidden 256, 8 heads of 32, 4 KV heads), float32, greedy,
+(``DEFAULT_MODEL_DIR``: 8 layers, hidden 256, 8 heads of 32, 8 KV heads, trained), float32, greedy,
 a prompt of ``--prompt-len`` random byte tokens, ``--new-tokens`` generated, batch 1 and 8:
 
 * ours: :class:`compiled_attn.engine.Engine` with the CLI's defaults, compiled
@@ -16,9 +16,9 @@ a prompt of ``--prompt-len`` random byte tokens, ``--new-tokens`` generated, bat
   (time of N new tokens - time of 1 token) / (N - 1), best of ``--repeats``.
 
 Both sides run in this process, one after the other, with ``torch.set_num_threads`` at
-the CPUs this process may use. Greedy tokens of ours and theirs are compared (random
-weights give nearly flat logits, so float32 rounding may flip a near-tie and the two
-continuations part from there; the table says how many tokens agree). Anchors of the
+the CPUs this process may use. Greedy tokens of ours and theirs are compared (float32
+rounding may flip a near-tie of two logits and the two continuations part from there; the
+table says how many tokens agree). Anchors of the
 attention kernel: the per-call time of ``compiled_attn.ops.reference.paged_attention``
 (the CPU kernel of the paged ops) at the decode shapes against one
 ``F.scaled_dot_product_attention`` call on the same keys, already contiguous. Appends the
@@ -43,8 +43,7 @@ import torch.nn.functional as F
 
 from compiled_attn.benchmark import _prompts
 from compiled_attn.engine import Engine
-from compiled_attn.models import build_random_model, save_diffllama
-from compiled_attn.models.config import default_config
+from compiled_attn.models import DEFAULT_MODEL_DIR, load_diffllama, save_diffllama
 from compiled_attn.ops import reference
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
@@ -163,8 +162,8 @@ def main() -> None:
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(threads)
-    config = default_config()
-    model = build_random_model(config, seed=0)
+    model = load_diffllama(DEFAULT_MODEL_DIR)
+    config = model.config
     rows: list[ResultRow] = []
     lines = [f"{'case':<8} {'ours compiled':>14} {'ours eager':>11} {'HF compiled':>12} {'HF eager':>9} "
              f"{'ours/HF compiled':>17} {'ours/HF eager':>14}  greedy tokens equal"]

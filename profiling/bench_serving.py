@@ -12,7 +12,7 @@ engine features off and on, on the same traffic:
   arrive; without a token budget and with ``max_num_batched_tokens`` (chunked prefill);
   the anchor is the TPOT of the short requests alone (target: p99 <= 2x that).
 
-The model is the bench's ~1.1 B DiffLlama on CUDA and the embedded default on the CPU
+The model is the bench's ~1.1 B DiffLlama on CUDA and ``random_model_config()`` on the CPU
 (random weights, greedy). Appends to ``<results-dir>/serving.md`` and ``serving.jsonl``.
 
     python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8]
@@ -29,7 +29,7 @@ import torch
 
 from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
-from compiled_attn.models import build_random_model, default_config
+from compiled_attn.models import build_random_model, random_model_config
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
 
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    config = BENCH_CONFIG if cuda else default_config()
+    config = BENCH_CONFIG if cuda else random_model_config()
     n = args.requests or (64 if cuda else 16)
     rate = args.rate or (8.0 if cuda else 2.0)
     system_len = args.system_prompt_len or (1024 if cuda else 96)

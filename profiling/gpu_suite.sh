@@ -15,13 +15,19 @@
 #   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh:
 #                                        # call 1 `bash .whl/fa4a/fa4_wheels.sh stage`, carry .whl/fa4a; this
 #                                        # call right after, carry .whl/fa4b): backend tests, bench_kernels flash
+#                                        # (FLASH_BENCH=0: tests only)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
 #                                        # (warm-up seconds, Triton JIT compiles inside the run)
+#   bash profiling/gpu_suite.sh train    # compiled-attn train of the shipped model into /root/runs/default
+#                                        # (TRAIN_SECONDS, default 450; the same call again within the
+#                                        # machine's warm time resumes); model/, summary and log to $OUT
+#   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
+#                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host|train|compare}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -110,10 +116,10 @@ flash)
     source "$repo/.whl/fa4b/fa4_wheels.sh" install || exit 1
     run pytest_flash 240 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_flash_backend.py" \
         "$repo/tests/test_flash_attn_interface.py" "$repo/tests/test_gpu_flash.py"
-    run bench_flash 300 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts flash
+    [ "${FLASH_BENCH:-1}" = 1 ] && run bench_flash 300 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts flash
     echo "== summary"
     echo "pytest_flash: $(tail -n 1 "$out/pytest_flash.log")"
-    cat "$out/results/kernels.md"
+    cat "$out/results/kernels.md" 2>/dev/null
     ;;
 compile)
     mkdir -p "$out/results"
@@ -122,6 +128,24 @@ compile)
     echo "== summary"
     echo "pytest_gpu_compile: $(tail -n 1 "$out/pytest_gpu_compile.log")"
     cat "$out/results/host.md"
+    ;;
+train)
+    mkdir -p "$out/model"
+    run train $(( ${TRAIN_SECONDS:-450} + 120 )) python3 -m compiled_attn.cli train --out /root/runs/default --device cuda \
+        --no-progress --resume latest --max-seconds "${TRAIN_SECONDS:-450}"
+    cp /root/runs/default/summary.json /root/runs/default/log.jsonl "$out/"
+    cp /root/runs/default/model/* "$out/model/" 2>/dev/null || echo "no model/ yet: the run stopped early"
+    echo "== summary"
+    tail -n 8 "$out/train.log"
+    ;;
+compare)
+    mkdir -p "$out/results"
+    # shellcheck disable=SC2086
+    run compare 560 python3 "$repo/profiling/train_compare.py" --device cuda --no-progress --out-dir /root/runs/compare \
+        --results-dir "$out/results" --max-seconds "${COMPARE_SECONDS:-500}" ${COMPARE_ARGS:-}
+    echo "== summary"
+    grep -h "bits/byte\|time is up" "$out/compare.log"
+    cat "$out/results/train.md" 2>/dev/null
     ;;
 host)
     mkdir -p "$out/results"

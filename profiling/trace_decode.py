@@ -19,7 +19,7 @@ import torch
 
 from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
-from compiled_attn.models import build_random_model, default_config, load_diffllama
+from compiled_attn.models import build_random_model, load_diffllama, random_model_config
 from compiled_attn.profile_report import timeline_lanes, timeline_svg, write_report
 from compiled_attn.profiler import StepProfiler, load_trace, summarize_trace
 from compiled_attn.sampling import SamplingParams
@@ -56,9 +56,9 @@ def draw_timeline(trace: Path, out: Path, steps: int = 3) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="Hugging Face DiffLlama dir (default: embedded model)")
+    parser.add_argument("--model", type=Path, help="Hugging Face DiffLlama dir (default: random weights of random_model_config())")
     parser.add_argument("--bench-model", action="store_true",
-                        help="random weights of compiled-attn bench's ~1.1B config instead of the embedded model")
+                        help="random weights of compiled-attn bench's ~1.1B config instead of random_model_config()")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="decode steps to record")
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--memory-snapshot", type=Path)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = BENCH_CONFIG if args.bench_model else default_config()
+    config = BENCH_CONFIG if args.bench_model else random_model_config()
     model = (load_diffllama(args.model, dtype, args.device) if args.model
              else build_random_model(config, dtype=dtype, device=args.device))
     engine = Engine(model, max_num_seqs=max(args.batch, 1))

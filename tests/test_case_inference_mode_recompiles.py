@@ -16,13 +16,13 @@ import torch
 from compiled_attn.engine import Engine
 from compiled_attn.metadata import SequenceChunk, build_metadata
 from compiled_attn.models import build_random_model
-from compiled_attn.models.config import default_config
+from compiled_attn.models.config import random_model_config
 from compiled_attn.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-# default_config() shrunk so that compiling stays cheap on a small CPU.
-TINY = dataclasses.replace(default_config(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+# random_model_config() shrunk so that compiling stays cheap on a small CPU.
+TINY = dataclasses.replace(random_model_config(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=0.8)]

@@ -19,12 +19,12 @@ from compiled_attn.compile import CompiledFunction
 from compiled_attn.engine import Engine
 from compiled_attn.metadata import SequenceChunk, build_metadata
 from compiled_attn.models import build_random_model
-from compiled_attn.models.config import default_config
+from compiled_attn.models.config import random_model_config
 from compiled_attn.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-BASE = dataclasses.replace(default_config(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+BASE = dataclasses.replace(random_model_config(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                            max_position_embeddings=64)
 CONFIGS = [

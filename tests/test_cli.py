@@ -12,7 +12,7 @@ import torch
 
 from compiled_attn.cli import main
 from compiled_attn.engine import Engine
-from compiled_attn.models import build_random_model, default_config
+from compiled_attn.models import DEFAULT_MODEL_DIR, build_random_model, load_diffllama, random_model_config
 from compiled_attn.sampling import SamplingParams
 from compiled_attn.tokenizer import ByteTokenizer
 
@@ -42,11 +42,22 @@ def test_prompt_ids_json(capsys):
     assert t["prefill_tokens_per_s"] > 0 and t["decode_tokens_per_s"] > 0
     assert t["load_seconds"] >= 0 and t["compile_seconds"] == 0.0
     assert result["compile"] is None
-    # The CLI's tokens are the engine's greedy tokens on the embedded model of seed 0.
-    model = build_random_model(default_config(), seed=0)
-    expected, _ = Engine(model, compile=False, max_model_len=64).generate(
+    # The CLI's tokens are the engine's greedy tokens on the embedded (trained) model.
+    expected, _ = Engine(load_diffllama(DEFAULT_MODEL_DIR), compile=False, max_model_len=64).generate(
         [[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=4))
     assert [c["generated_ids"] for c in completions] == [c.output_ids for c in expected]
+
+
+def test_random_model_is_the_seeded_random_model(capsys):
+    result = run_json(capsys, "--random-model", "--seed", "5", "--max-new-tokens", "4", "--prompt-ids", "1,2,3")
+    assert result["model"] == "random (seed 5)"
+    model = build_random_model(random_model_config(), seed=5)
+    expected, _ = Engine(model, compile=False, max_model_len=64).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+    assert result["completions"][0]["generated_ids"] == expected[0].output_ids
+    with pytest.raises(SystemExit) as exit_info:  # argparse: --model and --random-model exclude each other
+        main([*BASE, "--random-model", "--model", "x"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_no_async_decode_gives_the_same_tokens_without_overlap(capsys):
@@ -82,7 +93,7 @@ def test_empty_prompt_file_is_an_error(capsys, tmp_path):
 def test_default_prompts(capsys):
     result = run_json(capsys, "--max-new-tokens", "1")
     assert [c["prompt_ids"] for c in result["completions"]] == [
-        list(b"The differential transformer"), list(b"Paged attention keeps the KV cache in blocks")]
+        list(b"def fibonacci(n):"), list(b"class Stack:\n    def push(self, item):")]
 
 
 def test_sampling_is_reproducible_with_seed(capsys):
@@ -265,8 +276,8 @@ def test_console_script_subprocess():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("[0] 'The differential transformer' -> ") and "(2 tokens, length)" in lines[0]
-    assert lines[1].startswith("[1] 'Paged attention keeps the KV cache in blocks' -> ")
+    assert lines[0].startswith("[0] 'def fibonacci(n):' -> ") and "(2 tokens, length)" in lines[0]
+    assert lines[1].startswith("[1] 'class Stack:\\n    def push(self, item):' -> ")
     assert any(line.startswith("prefill: ") and line.endswith("tokens/s") for line in lines)
     assert any(line.startswith("decode: ") and line.endswith("tokens/s") for line in lines)
 

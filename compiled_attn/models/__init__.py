@@ -1,9 +1,9 @@
 """Model definitions and checkpoint loading."""
 
-from .config import DiffLlamaConfig, default_config
+from .config import DiffLlamaConfig, random_model_config
 from .diffllama import DiffLlamaForCausalLM, build_random_model
-from .loader import load_diffllama
+from .loader import DEFAULT_MODEL_DIR, load_diffllama
 from .writer import save_diffllama
 
-__all__ = ["DiffLlamaConfig", "DiffLlamaForCausalLM", "build_random_model", "default_config", "load_diffllama",
-           "save_diffllama"]
+__all__ = ["DEFAULT_MODEL_DIR", "DiffLlamaConfig", "DiffLlamaForCausalLM", "build_random_model", "load_diffllama",
+           "random_model_config", "save_diffllama"]

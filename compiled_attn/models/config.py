@@ -235,8 +235,9 @@ def _validate_hf_options(config: dict[str, Any]) -> float:
     return rope_theta
 
 
-def default_config() -> DiffLlamaConfig:
-    """The small embedded model of ``compiled-attn generate`` (byte-level vocabulary).
+def random_model_config() -> DiffLlamaConfig:
+    """The seeded random model of ``compiled-attn generate --random-model`` (byte-level
+    vocabulary; tests use it; the trained default is :data:`~compiled_attn.models.DEFAULT_MODEL_DIR`).
 
     4 layers, hidden 256, 8 heads of 32 (4 differential pairs), 4 KV heads (GQA 2),
     SwiGLU width 688, 256 byte tokens, no EOS (generation stops at max_new_tokens),

@@ -31,6 +31,12 @@ from .config import DiffLlamaConfig
 from .diffllama import DiffLlamaForCausalLM
 from .sharding import shard_model
 
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+"""The embedded default model of ``compiled-attn generate`` (a Hugging Face DiffLlama
+directory inside the package): a byte-level DiffLlama of about 6.95 M parameters
+(:func:`compiled_attn.train.shipped_config`) trained by ``compiled-attn train`` on the
+standard library's ``.py`` files; ``training.json`` beside the weights says how."""
+
 
 def halves_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder the head rows of a projection from block halves to interleaved pairs.
