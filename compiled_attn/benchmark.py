@@ -12,10 +12,17 @@ bytes read) / device-to-device copy bandwidth (bytes read + written per second o
 2 GiB copy), and each runtime against ours. The table is appended to
 ``<results_dir>/decode.md`` and ``decode.jsonl``. ``kv_cache_dtype="fp8"`` runs our engine's
 runtimes over an fp8 KV cache (the floor then counts one byte per cached element).
+
+With the first batch size also the time to first token (one prompt of ``prompt_len``: its
+prefill) of a fresh engine's first request and of a later one, and, where a flash-attn
+library is found (:mod:`compiled_attn.ops.flash_backend`), the same with the flash-attn
+backend off in the same process (``flash_backend.disabled()``: our Triton kernel) and with
+its two-call differential formulation forced on (:func:`flash_ttft_rows`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tempfile
 import time
@@ -26,6 +33,7 @@ import torch
 from .engine import Engine
 from .kv_cache import resolve_kv_cache_dtype
 from .models import DiffLlamaConfig, build_random_model, save_diffllama
+from .ops import flash_backend
 from .profiler import StepProfiler, summarize_trace
 from .results import ResultRow, write_results
 from .sampling import SamplingParams
@@ -124,6 +132,56 @@ def time_first_request(model, prompt_len: int, kv_cache_dtype: str = "auto") -> 
     return result
 
 
+@contextlib.contextmanager
+def _flash_differential(enabled: bool):
+    """``flash_backend.FLASH_DIFFERENTIAL`` set to ``enabled`` within the block (read per call)."""
+    previous = flash_backend.FLASH_DIFFERENTIAL
+    flash_backend.FLASH_DIFFERENTIAL = enabled
+    try:
+        yield
+    finally:
+        flash_backend.FLASH_DIFFERENTIAL = previous
+
+
+def flash_ttft_rows(model, prompt_len: int, kv_cache_dtype: str, flash_on: dict, log=print,
+                    timer=time_first_request) -> list[ResultRow]:
+    """Prefill/TTFT with and without flash-attn, in this process: ``flash_on`` (a
+    :func:`time_first_request` result, the backend as configured) and, where its library can
+    take the model's head size, a fresh engine with the differential two-call formulation
+    forced on, each against a fresh engine with the backend off (:func:`flash_backend.disabled
+    <compiled_attn.ops.flash_backend.disabled>`: our Triton kernel), first and later request.
+    ``timer(model, prompt_len, kv_cache_dtype)`` times one engine. Empty (said once through
+    ``log``) without a flash-attn library, or over an fp8 KV cache (prefills then read the
+    cache through ``paged_attention``, which never runs on flash-attn)."""
+    library = flash_backend.find_library()
+    if library is None:
+        log("flash-attn: no library found (flash_attn.cute, flash_attn_interface, flash_attn) or "
+            "COMPILED_ATTN_FLASH=0: no prefill/TTFT rows with and without flash-attn")
+        return []
+    if resolve_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype) == torch.float8_e4m3fn:
+        log(f"flash-attn: {library.name} found, but prefills over an fp8 KV cache read it through "
+            "paged_attention (our kernel): no prefill/TTFT rows with and without flash-attn")
+        return []
+    with flash_backend.disabled():
+        off = timer(model, prompt_len, kv_cache_dtype)
+    configured = "two calls" if flash_backend.FLASH_DIFFERENTIAL else "on our fused kernel"
+    variants = {f"{library.name} backend as configured (differential {configured})": flash_on}
+    if not flash_backend.FLASH_DIFFERENTIAL and 2 * model.config.head_dim <= library.max_value_head_size:
+        with _flash_differential(True):
+            variants[f"{library.name}, differential as two calls (FLASH_DIFFERENTIAL forced on)"] = timer(
+                model, prompt_len, kv_cache_dtype)
+    log(f"flash-attn off (our Triton kernel): TTFT first {off['first_s'] * 1e3:.1f} ms, "
+        f"later {off['later_s'] * 1e3:.1f} ms")
+    rows = []
+    for name, result in variants.items():
+        log(f"{name}: TTFT first {result['first_s'] * 1e3:.1f} ms, later {result['later_s'] * 1e3:.1f} ms")
+        for request in ("first", "later"):
+            rows.append(ResultRow(f"TTFT, prompt {prompt_len}, {request} request: {name}", "ms",
+                                  result[f"{request}_s"] * 1e3, "flash-attn off (our Triton) ms",
+                                  off[f"{request}_s"] * 1e3))
+    return rows
+
+
 def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:
     """Decode-step latency of transformers' DiffLlama ``generate`` with a static cache
     (compiled by transformers): (time of ``new_tokens`` - time of 1 token) / (new_tokens - 1)."""
@@ -208,6 +266,10 @@ def run_bench(batch_sizes=(1, 64), prompt_len: int = 512, new_tokens: int = 256,
                 rows.append(ResultRow(f"TTFT, prompt {prompt_len}, first request of a new engine", "ms",
                                       first["first_s"] * 1e3, "a later request", first["later_s"] * 1e3, "<= 1.5"))
                 rows.append(ResultRow("engine warm-up before the first request", "seconds", first["warmup_s"], "-", 1.0))
+                try:
+                    rows += flash_ttft_rows(model, prompt_len, kv_cache_dtype, first, log)
+                except Exception as err:  # report and keep the decode rows
+                    log(f"TTFT with and without flash-attn: FAILED {type(err).__name__}: {str(err)[:300]}")
             rows += _ratios(batch, step, floor)
             tables.append(write_results(rows, results_dir, "decode", f"Decode step B={batch}, DiffLlama "
                                         f"~1.1B bf16, KV cache {str(kv_dtype).removeprefix('torch.')}, "

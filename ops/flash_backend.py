@@ -19,29 +19,47 @@ All three take ``softmax_scale``, ``causal`` (bottom-right aligned), ``window_si
 ``softcap`` with our semantics; ALiBi and per-call scalars as a tensor (``scale_softcap``)
 stay on our kernel. Differential attention (interleaved head pairs, Ye et al. 2024) can run
 as **two** flash calls, ``attn(q1, k1, [v1 | v2])`` and ``attn(q2, k2, [v1 | v2])`` with a
-value head of ``2 * head_size`` (flash-attn 4, ``head_size <= 128``), combined as
-``out1 - lambda * out2`` in float32; the seed's four calls are never faster than our fused
-kernel and are not offered. Which one runs is :data:`FLASH_DIFFERENTIAL`, from
-``profiling/bench_kernels.py --parts flash`` (``profiling/results/kernels.md``): on the H200
-(bf16, causal, Hq 32, Hkv 8, D 128, 2026-11-30) plain prefill took 0.537 ms through the
-backend against 0.812 ms on our kernel (B=8, S=2048) and 6.32 ms against 9.11 ms (64
-sequences of 128-4096 tokens), flash-attn 4 alone 0.517 ms and 6.36 ms; differential prefill
-took 1.885 ms as two flash calls inside the op against 1.673 ms on our fused kernel (the
-pairs must be de-interleaved and [v1 | v2] concatenated first). Decode reads the paged cache
-through the ``paged_attention`` op, which stays on our kernels (they read the cache 2-11%
-faster than flash-attn 4's).
+value head of ``2 * head_size`` (flash-attn 4, ``head_size <= 128``); the seed's four calls
+are never faster than our fused kernel and are not offered. Nothing is copied on the way in:
+``q1 = q[:, 0::2]`` (and ``q2``, ``k1``, ``k2``) are strided views that flash-attn 4 takes
+as they are (last dim contiguous, 16-byte aligned strides: ``maybe_contiguous`` of its
+``cute_dsl_utils``), and since the pair's two value
+heads lie side by side, ``[v1 | v2]`` is ``v.reshape(Tk, Hkv/2, 2D)``, a view (a copy only if
+v's heads are not ``D`` apart). The two outputs ``[T, Hq/2, 2D]`` are combined by one Triton
+kernel (:mod:`.triton_kernels.combine_kernel`): ``out1 - lambda * out2`` in float32, cast
+to q's dtype, one read of each output and one write, bit-identical to the eager
+``(out1.float() - lambda * out2.float()).to(dtype)`` (five kernels with float32
+temporaries). flash-attn 4's public ``flash_attn_varlen_func`` takes no ``out=`` buffer, so
+each call allocates its own output.
+
+Which one runs is :data:`FLASH_DIFFERENTIAL`, from ``profiling/bench_kernels.py --parts
+flash`` (``profiling/results/kernels.md``): on the H200 (bf16, causal, Hq 32, Hkv 8, D 128,
+2026-11-30) plain prefill took 0.537 ms through the backend against 0.812 ms on our kernel
+(B=8, S=2048) and 6.32 ms against 9.11 ms (64 sequences of 128-4096 tokens), flash-attn 4
+alone 0.517 ms and 6.36 ms; differential prefill took 1.885 ms as two flash calls inside the
+op against 1.673 ms on our fused kernel and 1.568 ms for flash-attn 4's two calls with the
+concatenation and an eager combine, all of that before the ``[v1 | v2]`` view and the one-pass combine
+(which remove a concatenation and four of five combine kernels; not yet measured, so the
+switch stays off). :func:`disabled` turns the backend off for a block of code (the
+benchmark's TTFT rows with and without flash-attn). Decode reads the paged cache through
+the ``paged_attention`` op, which stays on our kernels (they read the cache 2-11% faster
+than flash-attn 4's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
 
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton kernels run on CPU tensors (its interpreter): :func:`combine` takes the kernel there too."""
 
 FLASH_DIFFERENTIAL = False
 """Whether covered differential prefills run as two flash calls (else our fused kernel):
@@ -125,16 +143,51 @@ def run(library: FlashLibrary, formulation: str, q, k, v, cu_seqlens_q, cu_seqle
     options = (scale, causal, window_left, window_right, softcap)
     if formulation == "plain":
         return _call(library, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
-    values = torch.cat((v[:, 0::2], v[:, 1::2]), dim=-1)  # [Tk, Hkv/2, 2D]: [v1 | v2] per KV pair
+    # [Tk, Hkv/2, 2D]: [v1 | v2] per KV pair, heads 2j and 2j+1 side by side: a view of v
+    # (a copy only if v's heads are not D apart)
+    values = v.reshape(v.shape[0], v.shape[1] // 2, 2 * v.shape[2])
     out1 = _call(library, q[:, 0::2], k[:, 0::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
     out2 = _call(library, q[:, 1::2], k[:, 1::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+    return combine(out1, out2, lambda_full, q.dtype)
+
+
+def combine(out1: Tensor, out2: Tensor, lambda_full: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(out1.float() - lambda * out2.float()).to(dtype)`` with ``lambda_full`` ``[]`` or
+    ``[Hq/2]`` per pair: one Triton kernel on CUDA tensors (and on CPU tensors under
+    ``TRITON_INTERPRET=1``), bit-identical to this eager expression, which runs otherwise."""
+    if out1.is_cuda or _INTERPRETED:
+        from .triton_kernels.combine_kernel import combine_pairs
+
+        return combine_pairs(out1, out2, lambda_full, dtype)
     lam = lambda_full.float().reshape(1, -1, 1)  # [] or [Hq/2] -> per pair
-    return (out1.float() - lam * out2.float()).to(q.dtype)
+    return (out1.float() - lam * out2.float()).to(dtype)
+
+
+_DISABLED = 0  # depth of nested disabled() blocks
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, the backend takes no call: ``varlen_attention`` runs on our Triton
+    kernel as with ``COMPILED_ATTN_FLASH=0``, for comparisons in one process (the benchmark's
+    prefill/TTFT rows with and without flash-attn). The switch is one integer read on the
+    host when the op's CUDA kernel (or ``torch.compile``, deciding whether the op stays
+    opaque) asks :func:`covers`; it is not a guard: a graph compiled with static shapes
+    inside the block has our kernel traced in and keeps it, and a captured CUDA graph keeps
+    the kernels it captured. Nests; process-wide (not per thread)."""
+    global _DISABLED
+    _DISABLED += 1
+    try:
+        yield
+    finally:
+        _DISABLED -= 1
 
 
 def _formulation(q, lambda_full, alibi_slopes, scale_softcap) -> str | None:
-    """The :func:`plan` of the installed library for a call on ``q``, or ``None`` (no
-    library, not CUDA, no tokens, not covered)."""
+    """The :func:`plan` of the installed library for a call on ``q``, or ``None`` (inside
+    :func:`disabled`, no library, not CUDA, no tokens, not covered)."""
+    if _DISABLED:
+        return None
     library = find_library()
     if library is None or not q.is_cuda or q.shape[0] == 0:
         return None

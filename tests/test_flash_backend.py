@@ -6,11 +6,15 @@ No flash-attn builds here, so stand-in modules (``flash_attn.cute`` for flash-at
 scale, causal, window or softcap gives a wrong result). Checked: which library is found,
 which calls the backend takes (plain; differential as two calls with a ``2 * D`` value head
 on flash-attn 4 only; never ALiBi or traced scalars), the arguments passed, and results equal
-to the oracle's for plain and differential attention.
+to the oracle's for plain and differential attention (the differential pairs as views, no
+copies); the one-pass combine kernel of the two calls (bit-identical to the eager float32
+expression, close to the float64 formula; under Triton's interpreter without a GPU); and
+``flash_backend.disabled()`` routing calls to our kernel, as the benchmark's TTFT rows use it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -29,7 +33,8 @@ def stand_in(version: int, calls: list):
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, **rest):
-        calls.append(dict(shapes=(tuple(q.shape), tuple(k.shape), tuple(v.shape)), max_seqlen_q=max_seqlen_q,
+        calls.append(dict(shapes=(tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+                          data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()), max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal, window=window_size,
                           softcap=softcap, rest=rest))
         if version == 4:
@@ -135,4 +140,159 @@ def test_differential_prefill_is_two_flash_calls_and_equals_oracle(flash, per_pa
                             -1, -1, 0.0)
     assert out.shape == (10, 4, 128) and out.dtype == q.dtype
     assert [c["shapes"] for c in calls] == [((10, 4, 64), (20, 2, 64), (20, 2, 128))] * 2
+    # q1/q2, k1/k2 are strided views, [v1 | v2] a view of v: nothing copied on the way in
+    size = q.element_size()
+    assert [c["data_ptrs"] for c in calls] == [(q.data_ptr() + i * 64 * size, k.data_ptr() + i * 64 * size,
+                                                v.data_ptr()) for i in (0, 1)]
     assert_close_to_oracle(out, oracle_varlen(q, k, v, cu_q, cu_k, 0.125, True, lambda_full=lam))
+
+
+COMBINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_combine_kernel = pytest.mark.skipif(
+    COMBINE_DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it unless the environment overrides it)")
+
+
+def eager_combine(out1, out2, lam, dtype):
+    """The eager expression the combine kernel replaces (``flash_backend.run`` before it)."""
+    return (out1.float() - lam.float().reshape(1, -1, 1) * out2.float()).to(dtype)
+
+
+@needs_combine_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lambda_shape", [(), (1,), "pairs"])
+@pytest.mark.parametrize("shape", [(5, 3, 80), (3, 40, 256)])  # value width not a power of two; > one head block
+def test_combine_kernel_is_the_eager_expression_and_the_float64_formula(dtype, lambda_shape, shape):
+    pytest.importorskip("triton")
+    from compiled_attn.ops.triton_kernels.combine_kernel import combine_pairs
+
+    tokens, pairs, width = shape
+    for seed, lambda_dtype in ((3, torch.float32), (4, torch.bfloat16)):
+        g = torch.Generator().manual_seed(seed)
+        # out1, out2 as token-strided slices of one [T, P, 2, V] buffer, as an out= buffer would give
+        both = randn_nonzero((tokens, pairs, 2, width), dtype, g).to(COMBINE_DEVICE)
+        out1, out2 = both[:, :, 0], both[:, :, 1]
+        lam = randn_nonzero((pairs,) if lambda_shape == "pairs" else lambda_shape, lambda_dtype, g) * 0.7
+        lam = lam.to(COMBINE_DEVICE)
+        poisoned = torch.full((tokens, pairs, width), float("nan"), dtype=dtype, device=COMBINE_DEVICE)
+        got = combine_pairs(out1, out2, lam, dtype, out=poisoned)
+        assert got is poisoned and got.dtype == dtype
+        assert torch.equal(got, eager_combine(out1, out2, lam, dtype)), "not bit-identical to the eager expression"
+        assert torch.equal(combine_pairs(out1, out2, lam, dtype), got)  # its own contiguous output
+        exact = out1.double() - lam.double().reshape(1, -1, 1) * out2.double()
+        # float32 arithmetic, then one rounding to dtype (half an ulp, taken as a whole one,
+        # and a subnormal's spacing near zero)
+        info = torch.finfo(dtype)
+        bound = (info.eps * exact.abs() + info.smallest_normal * info.eps
+                 + 2.0 ** -22 * (out1.double().abs() + (lam.double().reshape(1, -1, 1) * out2.double()).abs()))
+        assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_combine_kernel
+def test_combine_takes_the_kernel_where_it_runs_and_the_eager_expression_elsewhere(monkeypatch):
+    pytest.importorskip("triton")
+    from compiled_attn.ops.triton_kernels import combine_kernel
+
+    g = torch.Generator().manual_seed(5)
+    out1, out2 = (randn_nonzero((6, 4, 96), torch.bfloat16, g).to(COMBINE_DEVICE) for _ in range(2))
+    lam = (randn_nonzero((4,), torch.float32, g) * 0.5).to(COMBINE_DEVICE)
+    launches = []
+    real = combine_kernel.combine_pairs
+    monkeypatch.setattr(combine_kernel, "combine_pairs", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    kernel = flash_backend.combine(out1, out2, lam, torch.bfloat16)
+    assert launches == [1]
+    if COMBINE_DEVICE == "cpu":
+        monkeypatch.setattr(flash_backend, "_INTERPRETED", False)  # a CPU tensor without the interpreter
+        eager = flash_backend.combine(out1, out2, lam, torch.bfloat16)
+        assert launches == [1]
+        assert torch.equal(kernel, eager)
+    assert torch.equal(kernel, eager_combine(out1, out2, lam, torch.bfloat16))
+
+
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that reports ``is_cuda``, so the backend's device check passes here."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_disabled_routes_covered_calls_to_our_kernel(flash, monkeypatch):
+    calls = flash(4)
+    ours = []
+
+    def triton_varlen(q, k, v, cu_q, cu_k, lambda_full, scale, causal, left, right, softcap, *rest):
+        ours.append(scale)
+        return oracle_varlen(q, k, v, cu_q, cu_k, scale, causal, (left, right), softcap, lambda_full=lambda_full
+                             ).to(q.dtype)
+
+    from compiled_attn.ops import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "varlen_attention", triton_varlen)
+    g = torch.Generator().manual_seed(6)
+    q, k, v, cu_q, cu_k = batch(g)
+    q, k, v = (t.as_subclass(CudaLooking) for t in (q, k, v))
+    args = (q, k, v, cu_q, cu_k, None, 0.125, True, -1, -1, 0.0, None, None)
+    assert flash_backend.covers(*args)
+    flash_backend.varlen_attention(*args)
+    assert len(calls) == 1 and ours == []
+    with flash_backend.disabled():
+        assert not flash_backend.covers(*args)
+        with flash_backend.disabled():  # nests
+            out = flash_backend.varlen_attention(*args)
+        assert not flash_backend.covers(*args)
+        flash_backend.varlen_attention(*args)
+    assert len(calls) == 1 and ours == [0.125, 0.125]
+    assert_close_to_oracle(torch.Tensor(out), oracle_varlen(q, k, v, cu_q, cu_k, 0.125, True))
+    assert flash_backend.covers(*args)  # back on after the block, also after an exception in it
+    with pytest.raises(RuntimeError), flash_backend.disabled():
+        raise RuntimeError
+    assert flash_backend.covers(*args)
+
+
+def test_bench_ttft_rows_with_and_without_flash(flash, monkeypatch):
+    from compiled_attn import benchmark
+
+    model = torch.nn.Linear(2, 2, dtype=torch.bfloat16)
+    model.config = types.SimpleNamespace(head_dim=64)
+    q, k, v, cu_q, cu_k = batch(torch.Generator().manual_seed(7))
+    q = q.as_subclass(CudaLooking)
+    timed = []
+
+    def timer(model_, prompt_len, kv_cache_dtype):
+        """Records whether the backend would take a plain and a differential prefill now."""
+        timed.append(tuple(flash_backend.covers(q, k, v, cu_q, cu_k, lam, None, True, -1, -1, 0.0, None, None)
+                           for lam in (None, torch.tensor(0.3))))
+        return {"first_s": 0.002 * len(timed), "later_s": 0.001 * len(timed), "warmup_s": 1.0}
+
+    logged = []
+    flash_on = {"first_s": 0.004, "later_s": 0.002, "warmup_s": 1.0}
+    monkeypatch.setenv("COMPILED_ATTN_FLASH", "0")
+    flash(4)
+    assert benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer) == []
+    assert timed == [] and len(logged) == 1 and "no prefill/TTFT rows" in logged[0]
+
+    monkeypatch.delenv("COMPILED_ATTN_FLASH")
+    flash(4)
+    logged.clear()
+    assert benchmark.flash_ttft_rows(model, 512, "fp8", flash_on, logged.append, timer) == []
+    assert timed == [] and len(logged) == 1 and "fp8" in logged[0]
+
+    rows = benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer)
+    # backend off: neither plain nor differential covered; forced on: both; afterwards as configured
+    assert timed == [(False, False), (True, True)]
+    assert flash_backend.FLASH_DIFFERENTIAL is False and flash_backend._DISABLED == 0
+    assert [(r.case, r.value, r.anchor_value) for r in rows] == [
+        ("TTFT, prompt 512, first request: flash-attn 4 backend as configured (differential on our fused kernel)",
+         4.0, 2.0),
+        ("TTFT, prompt 512, later request: flash-attn 4 backend as configured (differential on our fused kernel)",
+         2.0, 1.0),
+        ("TTFT, prompt 512, first request: flash-attn 4, differential as two calls (FLASH_DIFFERENTIAL forced on)",
+         4.0, 2.0),
+        ("TTFT, prompt 512, later request: flash-attn 4, differential as two calls (FLASH_DIFFERENTIAL forced on)",
+         2.0, 1.0)]
+
+    flash(2)  # no 2D value head: no forced-differential variant
+    timed.clear()
+    rows = benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer)
+    assert timed == [(False, False)] and len(rows) == 2
