@@ -152,7 +152,7 @@ def flash_ttft_rows(model, prompt_len: int, kv_cache_dtype: str, flash_on: dict,
     <compiled_attn.ops.flash_backend.disabled>`: our Triton kernel), first and later request.
     ``timer(model, prompt_len, kv_cache_dtype)`` times one engine. Empty (said once through
     ``log``) without a flash-attn library, or over an fp8 KV cache (prefills then read the
-    cache through ``paged_attention``, which never runs on flash-attn)."""
+    cache through ``paged_attention`` on our kernel: flash-attn takes no fp8 cache here)."""
     library = flash_backend.find_library()
     if library is None:
         log("flash-attn: no library found (flash_attn.cute, flash_attn_interface, flash_attn) or "

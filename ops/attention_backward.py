@@ -2,11 +2,13 @@
 
 The op gets an autograd formula that calls one more op,
 ``compiled_attn::varlen_attention_backward``, so the backward is as opaque to
-``torch.compile`` as the forward (its fake gives the gradient shapes). Its kernel is the
-reference backward of :mod:`.gradients` (explicit formulas in plain tensor ops, recomputing
-the forward), which runs under any ``TorchDispatchMode`` (FLOP counters, debug modes) and
-``opcheck``. Gradients flow to ``q``, ``k``, ``v`` and ``lambda_full``; ``paged_attention``
-is inference-only.
+``torch.compile`` as the forward (its fake gives the gradient shapes). Its kernel on every
+device is the reference backward of :mod:`.gradients` (explicit formulas in plain tensor ops,
+recomputing the forward), which runs under any ``TorchDispatchMode`` (FLOP counters, debug
+modes) and ``opcheck``; on CUDA, :mod:`.backends` binds the Triton FlashAttention-2 backward
+of :mod:`.triton_kernels.attention_backward_kernel` instead (no dense ``[B, H, L, L]``
+probabilities; the reference only for what it does not cover). Gradients flow to ``q``,
+``k``, ``v`` and ``lambda_full``; ``paged_attention`` is inference-only.
 """
 
 from __future__ import annotations

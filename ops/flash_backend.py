@@ -1,10 +1,11 @@
-"""flash-attn as a backend of the ``varlen_attention`` op on CUDA.
+"""flash-attn as a backend of the ``varlen_attention`` and ``paged_attention`` ops on CUDA.
 
 When a flash-attn library is importable, the CUDA kernel of ``compiled_attn::varlen_attention``
-runs the prefills it covers through it, inside our op (our schema, our fake, so no graph
-break; the op stays opaque to ``torch.compile`` then), and everything else through our
-Triton kernel. Libraries, in order of preference (``COMPILED_ATTN_FLASH=0`` turns the
-backend off):
+runs the prefills it covers through it, and so does the CUDA kernel of
+``compiled_attn::paged_attention`` with a library that reads a paged cache (flash-attn 4,
+see *Paged prefill* below), inside our op (our schema, our fake, so no graph break; the op
+stays opaque to ``torch.compile`` then), and everything else through our Triton kernel.
+Libraries, in order of preference (``COMPILED_ATTN_FLASH=0`` turns the backend off):
 
 ========================  ==================================  ==================================
 library                   import                              covers
@@ -41,9 +42,28 @@ op against 1.673 ms on our fused kernel and 1.568 ms for flash-attn 4's two call
 concatenation and an eager combine, all of that before the ``[v1 | v2]`` view and the one-pass combine
 (which remove a concatenation and four of five combine kernels; not yet measured, so the
 switch stays off). :func:`disabled` turns the backend off for a block of code (the
-benchmark's TTFT rows with and without flash-attn). Decode reads the paged cache through
-the ``paged_attention`` op, which stays on our kernels (they read the cache 2-11% faster
-than flash-attn 4's).
+benchmark's TTFT rows with and without flash-attn).
+
+*Paged prefill.* flash-attn 4's ``flash_attn_varlen_func`` reads our paged cache as it is:
+``page_table=block_table`` (int32 ``[B, max_blocks]``), ``seqused_k=seq_lens`` and
+``cu_seqlens_q``, no ``cu_seqlens_k``, caches ``[num_blocks, block_size, Hkv, D]``;
+sequence ``b`` has ``seq_lens[b]`` keys and its causal mask is bottom-right aligned on
+them (query ``i`` sees keys up to ``seq_lens[b] - q_len + i``: its ``seqlen_k`` is
+``seqused_k[b]``), as in our op. :func:`paged_attention` sends it the calls
+:func:`covers_paged` takes, decided from shapes alone (no device read, so a CUDA graph
+can capture either path): plain attention over a float16/bfloat16 cache of a block size in
+:data:`PAGED_BLOCK_SIZES`, head sizes as :func:`plan`, no ALiBi, no ``scale_softcap``, and
+only calls that carry a prefill chunk, ``T > B`` (more queries than sequences: chunked
+prefill, prefix-cache hits, mixed batches, multi-token decode). A decode step (``T == B``,
+one query per sequence, padded CUDA-graph batches included) stays on our kernel, which
+reads the cache 2-11% faster than flash-attn 4's paged decode; differential attention
+(our fused kernel reads each K/V block once) and fp8 caches (``k_scale``/``v_scale``) stay
+on ours too. Block sizes are 16 and 32 (:data:`PAGED_BLOCK_SIZES`: flash-attn 4 loads a
+block as long as its key tile whole, and NaN past ``seq_lens`` in a last block would reach
+the output). flash-attn 2 and 3 take no page table in their varlen function
+(``FlashLibrary.takes_page_table``): paged calls stay on ours with them. Paged prefill
+through flash-attn 4 is not yet timed against our kernel (``bench_kernels.py --parts
+flash`` has its rows: 8 chunks of 512 tokens after 4096 cached keys).
 """
 
 from __future__ import annotations
@@ -74,6 +94,7 @@ class FlashLibrary(NamedTuple):
     max_value_head_size: int  # largest value head size (head size of v may differ from q/k's up to this)
     needs_max_seqlen: bool  # takes max_seqlen_q / max_seqlen_k as required host ints
     none_for_unbounded: bool  # window_size uses None, not -1, for an unbounded side
+    takes_page_table: bool  # varlen reads a paged cache (page_table=, seqused_k=, no cu_seqlens_k)
 
 
 def _import(name: str):
@@ -90,11 +111,11 @@ def find_library() -> FlashLibrary | None:
     if os.environ.get("COMPILED_ATTN_FLASH", "1") == "0":
         return None
     if (module := _import("flash_attn.cute")) is not None and hasattr(module, "flash_attn_varlen_func"):
-        return FlashLibrary("flash-attn 4", module.flash_attn_varlen_func, 256, False, True)
+        return FlashLibrary("flash-attn 4", module.flash_attn_varlen_func, 256, False, True, True)
     if (module := _import("flash_attn_interface")) is not None and hasattr(module, "flash_attn_varlen_func"):
-        return FlashLibrary("flash-attn 3", module.flash_attn_varlen_func, 0, True, False)
+        return FlashLibrary("flash-attn 3", module.flash_attn_varlen_func, 0, True, False, False)
     if (module := _import("flash_attn")) is not None and hasattr(module, "flash_attn_varlen_func"):
-        return FlashLibrary("flash-attn 2", module.flash_attn_varlen_func, 0, True, False)
+        return FlashLibrary("flash-attn 2", module.flash_attn_varlen_func, 0, True, False, False)
     return None
 
 
@@ -112,14 +133,17 @@ def plan(library: FlashLibrary, q: Tensor, lambda_full: Tensor | None, alibi_slo
     return "differential" if FLASH_DIFFERENTIAL and 2 * head_size <= library.max_value_head_size else None
 
 
+def _window(library: FlashLibrary, window_left: int, window_right: int) -> tuple:
+    """Our ``(left, right)`` window (``-1`` unbounded) as ``library``'s ``window_size``."""
+    if library.none_for_unbounded:
+        return (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+    return (window_left, window_right)
+
+
 def _call(library: FlashLibrary, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
           window_left, window_right, softcap) -> Tensor:
-    if library.none_for_unbounded:
-        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
-    else:
-        window = (window_left, window_right)
     kwargs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=causal,
-                  window_size=window, softcap=softcap)
+                  window_size=_window(library, window_left, window_right), softcap=softcap)
     if library.needs_max_seqlen:
         kwargs.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     out = library.varlen(q, k, v, **kwargs)
@@ -168,11 +192,12 @@ _DISABLED = 0  # depth of nested disabled() blocks
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, the backend takes no call: ``varlen_attention`` runs on our Triton
-    kernel as with ``COMPILED_ATTN_FLASH=0``, for comparisons in one process (the benchmark's
-    prefill/TTFT rows with and without flash-attn). The switch is one integer read on the
-    host when the op's CUDA kernel (or ``torch.compile``, deciding whether the op stays
-    opaque) asks :func:`covers`; it is not a guard: a graph compiled with static shapes
+    """Within the block, the backend takes no call: ``varlen_attention`` and
+    ``paged_attention`` run on our Triton kernels as with ``COMPILED_ATTN_FLASH=0``, for
+    comparisons in one process (the benchmark's prefill/TTFT rows with and without
+    flash-attn). The switch is one integer read on the host when an op's CUDA kernel (or
+    ``torch.compile``, deciding whether the op stays opaque) asks :func:`covers` or
+    :func:`covers_paged`; it is not a guard: a graph compiled with static shapes
     inside the block has our kernel traced in and keeps it, and a captured CUDA graph keeps
     the kernels it captured. Nests; process-wide (not per thread)."""
     global _DISABLED
@@ -214,3 +239,83 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scal
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return run(find_library(), formulation, q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
                window_left, window_right, softcap)
+
+
+# --- paged prefill ---------------------------------------------------------------------------
+
+PAGED_BLOCK_SIZES = frozenset({16, 32})
+"""Cache block sizes whose ``paged_attention`` prefills run on flash-attn 4. Its paged loader
+takes any page size (its own tests run 1, 4 and 128; on the H200 16 to 256 ran), but a page
+as long as its key tile (64 to 144 on Hopper, 64 or 128 on Blackwell; 128 at head size 128)
+is loaded whole by TMA, the rows past ``seq_lens[b]`` of a sequence's last block included,
+and a NaN there turns the output into NaN (``P = 0`` times ``NaN``; its
+``flash_attn_varlen_func`` docstring). Our op reads nothing past ``seq_lens[b]``, so a cache
+may hold anything there (the GPU tests fill it with NaN); below 64 flash-attn 4 always loads
+row by row (``cp.async``), only rows below ``seq_lens[b]``, and keeps that promise."""
+
+
+def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap, k_scale,
+                   v_scale) -> FlashLibrary | None:
+    """The library that runs this ``paged_attention`` call, or ``None`` (our kernel): shapes,
+    dtypes and which options are given, never a tensor's values."""
+    if _DISABLED or not query.is_cuda:
+        return None
+    # One query per sequence or fewer (T <= B: every decode step, padded CUDA-graph batches
+    # included) stays on our kernel, which reads the cache 2-11% faster than flash-attn 4's
+    # paged decode; more queries than sequences (T > B) means some prefill chunk.
+    if query.shape[0] <= seq_lens.shape[0]:
+        return None
+    if lambda_full is not None or k_scale is not None or v_scale is not None:
+        return None  # differential paged attention stays on our fused kernel; fp8 caches too
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        return None
+    if key_cache.shape[1] not in PAGED_BLOCK_SIZES:
+        return None
+    library = find_library()
+    if library is None or not library.takes_page_table:
+        return None
+    return library if plan(library, query, None, alibi_slopes, scale_softcap) == "plain" else None
+
+
+def covers_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
+                 window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale=None,
+                 v_scale=None) -> bool:
+    """Whether the CUDA kernel of ``paged_attention`` runs these schema arguments through
+    flash-attn 4 (the ``opaque`` predicate of its traced kernel): a prefill-bearing call
+    (more queries than sequences) of plain attention over a float16/bfloat16 cache of a
+    block size in :data:`PAGED_BLOCK_SIZES`, without ALiBi or traced scalars, CUDA tensors, a
+    library that takes a page table, outside :func:`disabled`."""
+    return _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap,
+                          k_scale, v_scale) is not None
+
+
+def run_paged(library: FlashLibrary, query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
+              causal, window_left, window_right, softcap) -> Tensor:
+    """Plain paged attention through ``library`` (``takes_page_table``): ``[T, Hq, D]``,
+    query's dtype. Sequence ``b``'s keys are ``0 .. seq_lens[b]-1`` of its blocks
+    (``seqused_k``, no ``cu_seqlens_k``), causal masking bottom-right aligned on them as in
+    our op. No host read: flash-attn 4 bounds the keys by ``block_table``'s width and the
+    queries by ``T`` and reads the lengths on the device."""
+    out = library.varlen(query, key_cache, value_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None,
+                         seqused_k=seq_lens, page_table=block_table, softmax_scale=scale, causal=causal,
+                         window_size=_window(library, window_left, window_right), softcap=softcap)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full=None,
+                    scale=None, causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                    scale_softcap=None, k_scale=None, v_scale=None) -> Tensor:
+    """The ``compiled_attn::paged_attention`` op on CUDA: flash-attn 4 where it
+    :func:`covers_paged` the call (prefill-bearing plain attention), our Triton kernel
+    otherwise (decode, differential, fp8 caches, ...; arguments as the op's schema)."""
+    library = _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap,
+                             k_scale, v_scale)
+    if library is None:
+        from .triton_kernels import paged_attention as triton_paged
+
+        return triton_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
+                            causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale,
+                            v_scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return run_paged(library, query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, causal,
+                     window_left, window_right, softcap)

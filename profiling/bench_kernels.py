@@ -191,7 +191,32 @@ def flash_rows() -> list[ResultRow]:
         for name in ("flash-attn 4 four calls", "ours Triton fused", "backend's two calls"):
             rows.append(ResultRow(f"prefill {case} differential: {name} / our op (backend)", "ms", diff[name],
                                   "op ms", diff["op"]))
-    return rows
+    return rows + paged_prefill_rows(library)
+
+
+def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
+    """Plain paged prefill (chunked prefill after a cached prefix): ``batch`` sequences each
+    computing ``chunk`` new tokens over ``prefix + chunk`` keys in blocks of 16, causal.
+    flash-attn 4 called directly with ``page_table``/``seqused_k`` against our op (which
+    routes such calls to it: ``flash_backend.covers_paged``) and against our Triton kernel."""
+    from compiled_attn import ops
+    from compiled_attn.ops import flash_backend
+
+    context = prefix + chunk
+    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
+    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    args = (query, key_cache, value_cache, cu, seq_lens, table)
+    assert flash_backend.covers_paged(*args, None, D ** -0.5, True, -1, -1, 0.0, None, None)
+    ms = {"flash-attn 4": _eager_ms(lambda: library.varlen(query, key_cache, value_cache, cu_seqlens_q=cu,
+                                                           cu_seqlens_k=None, seqused_k=seq_lens, page_table=table,
+                                                           causal=True)),
+          "ours Triton": _eager_ms(lambda: triton_kernels.paged_attention(*args)),
+          "op": _eager_ms(lambda: ops.paged_attention(*args))}
+    case = f"paged prefill B={batch} {chunk} new after {prefix} cached, block {BLOCK}"
+    return [ResultRow(f"{case}: flash-attn 4 / our op (backend)", "ms", ms["flash-attn 4"], "op ms", ms["op"],
+                      ">= 0.97"),
+            ResultRow(f"{case}: our Triton / our op (backend)", "ms", ms["ours Triton"], "op ms", ms["op"])]
 
 
 def fp8_rows(bandwidth: float, batch: int = 64, context: int = 8192) -> list[ResultRow]:

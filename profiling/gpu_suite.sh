@@ -18,6 +18,9 @@
 #                                        # (FLASH_BENCH=0: tests only)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
 #                                        # (warm-up seconds, Triton JIT compiles inside the run)
+#   bash profiling/gpu_suite.sh report   # compiled-attn generate --device cuda --profile (8 prompts, graph
+#                                        # replay) and compiled-attn profile-report of its trace: the HTML
+#                                        # report and the timeline (docs/decode_timeline.png) to $OUT
 #   bash profiling/gpu_suite.sh train    # compiled-attn train of the shipped model into /root/runs/default
 #                                        # (TRAIN_SECONDS, default 450; the same call again within the
 #                                        # machine's warm time resumes); model/, summary and log to $OUT
@@ -27,7 +30,7 @@
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host|train|compare}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host|report|train|compare}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -128,6 +131,18 @@ compile)
     echo "== summary"
     echo "pytest_gpu_compile: $(tail -n 1 "$out/pytest_gpu_compile.log")"
     cat "$out/results/host.md"
+    ;;
+report)
+    prompts=(); for i in 1 2 3 4 5 6 7 8; do prompts+=(--prompt "def function_$i(x):"); done
+    run cli_profile 240 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 64 \
+        "${prompts[@]}" --profile /tmp/report_trace --profile-shapes --profile-stack
+    run profile_report 120 python3 -m compiled_attn.cli profile-report /tmp/report_trace --out "$out/report.html"
+    run timeline 200 python3 "$repo/profiling/trace_decode.py" --device cuda --model "$repo/compiled_attn/default_model" \
+        --batch 8 --out /tmp/timeline_trace --timeline "$out/decode_timeline.png"
+    echo "== summary"
+    python3 -c "import json; r=json.loads(open('$out/cli_profile.log').read().splitlines()[-1]); print('shares', r['profile']['phase_shares'], 'graphs', r['cuda_graphs'])" || true
+    grep -A12 "profiled steps" "$out/timeline.log" | head -14
+    ls -la "$out"
     ;;
 train)
     mkdir -p "$out/model"

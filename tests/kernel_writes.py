@@ -54,6 +54,13 @@ def recorded_launches() -> list[tuple[str, object, dict]]:
     triton_kernels.reshape_and_cache(q[:, :2], q[:, :2], cache, cache, torch.tensor([0, 5, -1]))
     case[0] = "reshape_and_cache fp8"
     triton_kernels.reshape_and_cache(q[:, :2], q[:, :2], fp8, fp8, torch.tensor([0, 5, -1]), scale, scale)
+    cu_k = torch.tensor([0, 40, 47, 147], dtype=torch.int32)
+    kv = torch.randn(147, 2, 64, generator=g).to(**bf16)
+    case[0] = "varlen backward"
+    triton_kernels.varlen_attention_backward(q, q, kv, kv, cu, cu_k, None, 0.125, True, -1, -1, 0.0, None, None)
+    case[0] = "varlen backward differential"  # with softcap, ALiBi, a window and per-call scalars
+    triton_kernels.varlen_attention_backward(q[:, :4].repeat(1, 1, 2), q, kv, kv, cu, cu_k, torch.full((4,), 0.5),
+                                             0.125, False, 8, 8, 0.0, torch.rand(8), torch.tensor([0.125, 5.0]))
     x, w = torch.randn(2, 64, generator=g).to(**bf16), torch.randn(128, 64, generator=g).to(**bf16)
     case[0] = "fused_linear"
     triton_kernels.fused_linear(x, w, None, x[0], 1e-6, x.new_ones(2, 64), True,

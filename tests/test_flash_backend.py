@@ -1,9 +1,16 @@
-"""The flash-attn backend of ``varlen_attention`` with stand-in ``flash_attn`` modules.
+"""The flash-attn backend of ``varlen_attention`` and ``paged_attention`` with stand-in
+``flash_attn`` modules.
 
 No flash-attn builds here, so stand-in modules (``flash_attn.cute`` for flash-attn 4,
-``flash_attn`` for flash-attn 2) record each call and compute it with the float64 oracle of
-``tests/oracle.py``, honouring only the arguments flash-attn documents (so a wrong mapping of
-scale, causal, window or softcap gives a wrong result). Checked: which library is found,
+``flash_attn_interface`` for flash-attn 3, ``flash_attn`` for flash-attn 2) record each call
+and compute it with the float64 oracle of ``tests/oracle.py``, honouring only the arguments
+flash-attn documents (so a wrong mapping of scale, causal, window, softcap, page table or
+key lengths gives a wrong result); CPU tensors pose as CUDA ones (:class:`CudaLooking`).
+Paged: prefill-bearing calls (``T > B``) of plain attention go to flash-attn 4 with
+``page_table=block_table``, ``seqused_k=seq_lens`` and no ``cu_seqlens_k``, equal to the
+oracle over a cache with NaN in its unused slots; decode (``T == B``), differential, fp8
+caches, ALiBi, traced scalars, other block sizes, flash-attn 2/3 and :func:`disabled` stay
+on our kernel, which gets the call unchanged. Varlen: which library is found,
 which calls the backend takes (plain; differential as two calls with a ``2 * D`` value head
 on flash-attn 4 only; never ALiBi or traced scalars), the arguments passed, and results equal
 to the oracle's for plain and differential attention (the differential pairs as views, no
@@ -21,31 +28,47 @@ import types
 import pytest
 import torch
 
-from oracle import assert_close_to_oracle, oracle_attention, oracle_varlen
-from paged_batches import randn_nonzero
+from oracle import assert_close_to_oracle, oracle_attention, oracle_paged, oracle_varlen
+from paged_batches import make_paged_batch, pad, randn_nonzero
 
 from compiled_attn.ops import flash_backend
 
 
 def stand_in(version: int, calls: list):
-    """A flash_attn_varlen_func that computes with the oracle (float64) and records its kwargs."""
+    """A flash_attn_varlen_func that computes with the oracle (float64) and records its kwargs.
+
+    Version 4 also reads a paged cache as flash-attn 4 does: ``page_table`` ``[B, max_pages]``
+    int32 with ``seqused_k`` ``[B]`` (keys per sequence) and no ``cu_seqlens_k``; k and v are
+    then ``[num_pages, page_size, Hkv, D]`` and sequence ``b``'s keys are the first
+    ``seqused_k[b]`` rows of its pages, in order."""
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                               max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, **rest):
+                               max_seqlen_k=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, **rest):
         calls.append(dict(shapes=(tuple(q.shape), tuple(k.shape), tuple(v.shape)),
                           data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()), max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal, window=window_size,
-                          softcap=softcap, rest=rest))
+                          softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          seqused_k=seqused_k, page_table=page_table, rest=rest))
         if version == 4:
-            assert None not in (cu_seqlens_q, cu_seqlens_k) and -1 not in window_size  # FA4: None = unbounded
+            assert cu_seqlens_q is not None and -1 not in window_size  # FA4: None = unbounded
             window = tuple(-1 if w is None else w for w in window_size)
         else:
+            assert page_table is None and seqused_k is None, "only the stand-in of flash-attn 4 reads a page table"
             assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
             window = window_size
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        out = torch.cat([oracle_attention(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], softmax_scale,
-                                          causal, window, softcap) for b in range(len(cq) - 1)]).to(q.dtype)
+        cq = cu_seqlens_q.tolist()
+        if page_table is not None:  # as flash-attn 4's asserts: no cu_seqlens_k, int32 table and lengths
+            assert cu_seqlens_k is None and seqused_k is not None
+            assert page_table.dtype == seqused_k.dtype == torch.int32 and page_table.shape[0] == len(cq) - 1
+            keys = [(k[page_table[b]].flatten(0, 1)[:n], v[page_table[b]].flatten(0, 1)[:n])
+                    for b, n in enumerate(seqused_k.tolist())]
+        else:
+            assert cu_seqlens_k is not None and seqused_k is None
+            ck = cu_seqlens_k.tolist()
+            keys = [(k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]) for b in range(len(cq) - 1)]
+        out = torch.cat([oracle_attention(q[cq[b]:cq[b + 1]], kb, vb, softmax_scale, causal, window, softcap)
+                         for b, (kb, vb) in enumerate(keys)]).to(q.dtype)
         return (out, None) if version == 4 else out  # FA4 returns (out, lse)
 
     return flash_attn_varlen_func
@@ -53,21 +76,26 @@ def stand_in(version: int, calls: list):
 
 @pytest.fixture
 def flash(monkeypatch):
-    """``flash(version)`` installs a stand-in flash-attn ``version`` (4 or 2); returns its call log."""
+    """``flash(version)`` installs a stand-in flash-attn ``version`` (4, 3 or 2); returns its call log."""
 
     def install(version: int) -> list:
         calls = []
         package = types.ModuleType("flash_attn")
+        interface = None
         if version == 4:
             cute = types.ModuleType("flash_attn.cute")
             cute.flash_attn_varlen_func = stand_in(4, calls)
             package.cute = cute
             monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+        elif version == 3:
+            interface = types.ModuleType("flash_attn_interface")
+            interface.flash_attn_varlen_func = stand_in(3, calls)
+            monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
         else:
             package.flash_attn_varlen_func = stand_in(2, calls)
             monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
         monkeypatch.setitem(sys.modules, "flash_attn", package)
-        monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", interface)
         flash_backend.find_library.cache_clear()
         return calls
 
@@ -86,9 +114,11 @@ def batch(g, dtype=torch.bfloat16, head_size=64):
 
 def test_library_found_in_order_and_switched_off(flash, monkeypatch):
     flash(4)
-    assert flash_backend.find_library().name == "flash-attn 4"
+    assert flash_backend.find_library().name == "flash-attn 4" and flash_backend.find_library().takes_page_table
+    flash(3)
+    assert flash_backend.find_library().name == "flash-attn 3" and not flash_backend.find_library().takes_page_table
     flash(2)
-    assert flash_backend.find_library().name == "flash-attn 2"
+    assert flash_backend.find_library().name == "flash-attn 2" and not flash_backend.find_library().takes_page_table
     monkeypatch.setenv("COMPILED_ATTN_FLASH", "0")
     flash_backend.find_library.cache_clear()
     assert flash_backend.find_library() is None
@@ -114,7 +144,7 @@ def test_plan_takes_what_the_library_covers(flash, monkeypatch):
     assert not flash_backend.covers(q, *batch(g)[1:], None, 0.125, True, -1, -1, 0.0, None, None)  # CPU tensors
 
 
-@pytest.mark.parametrize("version", [4, 2])
+@pytest.mark.parametrize("version", [4, 3, 2])
 @pytest.mark.parametrize("options", [(0.11, True, -1, -1, 0.0), (0.2, False, 3, 1, 5.0), (0.15, True, 2, -1, 0.0)])
 def test_plain_prefill_through_flash_equals_oracle(flash, version, options):
     calls = flash(version)
@@ -126,7 +156,7 @@ def test_plain_prefill_through_flash_equals_oracle(flash, version, options):
     assert_close_to_oracle(out, oracle_varlen(q, k, v, cu_q, cu_k, scale, causal, (left, right), softcap))
     (call,) = calls
     assert call["scale"] == scale and call["causal"] == causal and call["softcap"] == softcap
-    if version == 2:
+    if version != 4:
         assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (6, 9) and call["window"] == (left, right)
 
 
@@ -296,3 +326,152 @@ def test_bench_ttft_rows_with_and_without_flash(flash, monkeypatch):
     timed.clear()
     rows = benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer)
     assert timed == [(False, False)] and len(rows) == 2
+
+
+# --- paged prefill through flash-attn 4's page table -------------------------------------------
+
+# a chunked prefill, a decode, a fresh prefill, a padded graph row, a prefix-cache hit: T = 32 > B = 6
+MIXED = [(5, 7), (20, 1), (0, 18), pad(1), (33, 1), (9, 4)]
+
+
+def paged_args(seqs=MIXED, block_size=16, dtype=torch.bfloat16, head_size=64, cuda=True, seed=8):
+    """``(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table)``, NaN in every
+    cache slot no sequence uses; query and caches CUDA-looking unless ``cuda=False``."""
+    batch = make_paged_batch(seqs, block_size=block_size, num_heads=8, num_kv_heads=4, head_size=head_size,
+                             dtype=dtype, seed=seed, unused_fill="nan")
+    query, key_cache, value_cache, *metadata = batch.attention_args()
+    if cuda:
+        query, key_cache, value_cache = (t.as_subclass(CudaLooking) for t in (query, key_cache, value_cache))
+    return (query, key_cache, value_cache, *metadata)
+
+
+@pytest.fixture
+def ours(monkeypatch):
+    """Our Triton paged kernel replaced by a recorder: each call's schema arguments and the
+    (zeros) tensor it returned."""
+    from compiled_attn.ops import triton_kernels
+
+    calls = []
+
+    def triton_paged(*args):
+        assert len(args) == 16  # the schema's arguments, in order
+        calls.append(dict(args=args, out=args[0].new_zeros(args[0].shape)))
+        return calls[-1]["out"]
+
+    monkeypatch.setattr(triton_kernels, "paged_attention", triton_paged)
+    return calls
+
+
+def test_paged_kernel_takes_the_schema_arguments_as_our_launcher_does():
+    import inspect
+
+    from compiled_attn.ops.triton_kernels.attention import paged_attention as launcher
+
+    schema = [a.name for a in torch.ops.compiled_attn.paged_attention.default._schema.arguments]
+    positional = [p.name for p in inspect.signature(launcher).parameters.values() if p.kind != p.KEYWORD_ONLY]
+    assert positional == schema
+    assert list(inspect.signature(flash_backend.paged_attention).parameters) == schema
+    assert list(inspect.signature(flash_backend.covers_paged).parameters) == schema
+
+
+@pytest.mark.parametrize("block_size", sorted(flash_backend.PAGED_BLOCK_SIZES))
+@pytest.mark.parametrize("options", [(0.11, True, -1, -1, 0.0), (0.2, False, 3, 1, 5.0), (0.15, True, 2, -1, 0.0),
+                                     (0.13, False, -1, 2, 0.0)])
+def test_mixed_paged_prefill_runs_on_flash_attn_4_page_table_and_equals_oracle(flash, ours, block_size, options):
+    calls = flash(4)
+    query, key_cache, value_cache, cu_q, seq_lens, block_table = args = paged_args(block_size=block_size)
+    assert query.shape[0] > seq_lens.shape[0]  # prefill-bearing
+    full = (*args, None, *options, None, None, None, None)
+    assert flash_backend.covers_paged(*full)
+    out = flash_backend.paged_attention(*full)
+    assert ours == [] and len(calls) == 1
+    (call,) = calls
+    scale, causal, left, right, softcap = options
+    # our metadata as it is: no cu_seqlens_k, lengths and block table passed through, caches not copied
+    assert call["page_table"] is block_table and call["seqused_k"] is seq_lens
+    assert call["cu_seqlens_q"] is cu_q and call["cu_seqlens_k"] is None
+    assert call["shapes"] == (tuple(query.shape), tuple(key_cache.shape), tuple(value_cache.shape))
+    assert call["data_ptrs"] == (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+    assert call["scale"] == scale and call["causal"] == causal and call["softcap"] == softcap
+    assert call["window"] == (None if left < 0 else left, None if right < 0 else right)
+    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (None, None)  # no host read of the lengths
+    assert out.shape == query.shape and out.dtype == query.dtype
+    expected = oracle_paged(query, key_cache, value_cache, cu_q, seq_lens, block_table, scale, causal, (left, right),
+                            softcap)
+    assert_close_to_oracle(torch.Tensor(out), expected)
+    assert bool(torch.isfinite(torch.Tensor(out)).all())  # nothing read from the NaN-poisoned slots
+
+
+def test_paged_prefill_default_scale_is_the_head_size_rule(flash, ours):
+    calls = flash(4)
+    flash_backend.paged_attention(*paged_args(head_size=128))
+    assert ours == [] and calls[0]["scale"] == 128 ** -0.5 and calls[0]["causal"] is True
+    assert calls[0]["window"] == (None, None) and calls[0]["softcap"] == 0.0
+
+
+def fp8(args):
+    query, key_cache, value_cache, *metadata = args
+    return (query, key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn), *metadata)
+
+
+SCALE = torch.tensor(0.5)
+OURS = {  # name: (schema arguments after block_table, or None for the defaults; the batch)
+    "decode (T == B)": (None, lambda: paged_args([(5, 1), (20, 1), pad(1), (33, 1), (0, 1)])),
+    "fewer queries than sequences": (None, lambda: paged_args([(5, 0), (20, 2), (33, 0)])),
+    "differential": (dict(lambda_full=torch.tensor(0.3)), paged_args),
+    "fp8 cache with scales": (dict(k_scale=SCALE, v_scale=SCALE), lambda: fp8(paged_args())),
+    "fp8 cache without scales": (None, lambda: fp8(paged_args())),
+    "alibi": (dict(alibi_slopes=torch.ones(8)), paged_args),
+    "scale_softcap tensor": (dict(scale_softcap=torch.tensor([0.125, 0.0])), paged_args),
+    "float32": (None, lambda: paged_args(dtype=torch.float32)),
+    "head size 12": (None, lambda: paged_args(head_size=12)),
+    "block size 64 (TMA pages)": (None, lambda: paged_args(block_size=64)),
+    "block size 128 (TMA pages)": (None, lambda: paged_args(block_size=128)),
+    "block size 8": (None, lambda: paged_args(block_size=8)),
+    "CPU tensors": (None, lambda: paged_args(cuda=False)),
+}
+
+
+def schema_args(args, **given):
+    names = [a.name for a in torch.ops.compiled_attn.paged_attention.default._schema.arguments][6:]
+    defaults = dict(lambda_full=None, scale=0.125, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+                    alibi_slopes=None, scale_softcap=None, k_scale=None, v_scale=None)
+    defaults.update(given)
+    return (*args, *(defaults[n] for n in names))
+
+
+@pytest.mark.parametrize("case", list(OURS))
+def test_paged_calls_flash_does_not_cover_stay_on_our_kernel(flash, ours, case):
+    calls = flash(4)
+    given, make = OURS[case]
+    full = schema_args(make(), **(given or {}))
+    assert not flash_backend.covers_paged(*full)
+    out = flash_backend.paged_attention(*full)
+    assert calls == [] and len(ours) == 1 and out is ours[0]["out"]
+    assert all(a is b for a, b in zip(ours[0]["args"], full))  # our kernel gets the call as it came
+
+
+@pytest.mark.parametrize("version", [3, 2])
+def test_paged_prefill_stays_on_our_kernel_with_libraries_without_a_page_table(flash, ours, version):
+    calls = flash(version)
+    full = schema_args(paged_args())
+    assert not flash_backend.covers_paged(*full)
+    flash_backend.paged_attention(*full)
+    assert calls == [] and len(ours) == 1
+
+
+def test_disabled_routes_paged_prefill_to_our_kernel(flash, ours, monkeypatch):
+    calls = flash(4)
+    full = schema_args(paged_args())
+    assert flash_backend.covers_paged(*full)
+    with flash_backend.disabled():
+        assert not flash_backend.covers_paged(*full)
+        flash_backend.paged_attention(*full)
+    assert calls == [] and len(ours) == 1
+    flash_backend.paged_attention(*full)
+    assert len(calls) == 1 and len(ours) == 1
+    monkeypatch.setenv("COMPILED_ATTN_FLASH", "0")
+    flash_backend.find_library.cache_clear()
+    assert not flash_backend.covers_paged(*full)
+    flash_backend.paged_attention(*full)
+    assert len(calls) == 1 and len(ours) == 2

@@ -2,7 +2,13 @@
 
 Our varlen op with the backend against the float64 reference and against our own Triton
 kernel, plain and differential (two flash calls), GQA, windows and softcap; the backend's
-choice per call; capture in a CUDA graph. Skipped without CUDA or without ``flash_attn.cute``.
+choice per call; capture in a CUDA graph. The paged op's prefill-bearing calls through
+flash-attn 4's page table (``page_table``/``seqused_k``): mixed chunked-prefill, prefix-hit,
+decode and padded rows over a cache with NaN in every slot no sequence uses, against the
+float64 reference (bottom-right causal alignment on ``seq_lens``) and our kernel, through the
+op (its CUDA kernel), under ``torch.compile`` (the op stays opaque) and in a CUDA graph;
+decode and what the backend does not cover bit-equal to our kernel. Skipped without CUDA or
+without ``flash_attn.cute``.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ pytestmark = [
 ]
 pytest.importorskip("flash_attn.cute", reason="needs flash-attn 4 (profiling/gpu_suite.sh flash carries it in)")
 
-from oracle import assert_close_to_oracle, oracle_varlen  # noqa: E402
-from paged_batches import randn_nonzero  # noqa: E402
+from oracle import assert_close_to_oracle, oracle_paged, oracle_varlen  # noqa: E402
+from paged_batches import make_paged_batch, pad, randn_nonzero  # noqa: E402
 
 from compiled_attn import ops  # noqa: E402
 from compiled_attn.ops import flash_backend, triton_kernels  # noqa: E402
@@ -70,4 +76,78 @@ def test_op_through_flash_captures_in_a_cuda_graph():
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.testing.assert_close(out, ops.varlen_attention(q, k, v, cu, cu, lam), atol=0, rtol=0)
+    assert not torch.equal(out, eager)
+
+
+# --- paged prefill through flash-attn 4's page table -------------------------------------------
+
+# fresh prefill, decode, chunked prefill (q_len < seq_len: bottom-right alignment), padded graph
+# row (seq_len 0), long decode, prefix-cache hit: T = 444 > B = 6
+MIXED = [(0, 300), (1000, 1), (500, 77), pad(1), (2000, 1), (130, 64)]
+DECODE = [(0, 1), (1000, 1), pad(1), (2000, 1), (77, 1)]
+
+
+def paged_batch(seqs=MIXED, block_size=16, head_size=128):
+    batch = make_paged_batch(seqs, block_size=block_size, num_heads=16, num_kv_heads=4, head_size=head_size,
+                             dtype=torch.bfloat16, seed=block_size + head_size, unused_fill="nan")
+    return [t.cuda() for t in batch.attention_args()], batch.pad_rows
+
+
+def op_args(args, scale=None, causal=True, window=(-1, -1), softcap=0.0):
+    """The op's schema arguments, floats as a layer passes them (constants)."""
+    scale = args[0].shape[-1] ** -0.5 if scale is None else scale
+    return (*args, None, scale, causal, *window, softcap, None, None)
+
+
+@pytest.mark.parametrize("block_size", sorted(flash_backend.PAGED_BLOCK_SIZES))
+@pytest.mark.parametrize("options", [dict(), dict(window=(64, 0), softcap=10.0), dict(causal=False),
+                                     dict(causal=False, window=(40, 8))])
+def test_paged_prefill_through_flash_equals_reference_and_our_kernel(block_size, options):
+    args, pad_rows = paged_batch(block_size=block_size)
+    full = op_args(args, **options)
+    assert flash_backend.covers_paged(*full)
+    got = flash_backend.paged_attention(*full)
+    # the op's CUDA kernel is flash_backend.paged_attention (ops/backends.py): the same bits
+    assert torch.equal(torch.ops.compiled_attn.paged_attention.default(*full), got)
+    causal, window, softcap = options.get("causal", True), options.get("window", (-1, -1)), options.get("softcap", 0.0)
+    assert_close_to_oracle(got, oracle_paged(*args, None, causal, window, softcap))
+    assert bool((got[pad_rows] == 0).all())  # a row that sees no key: zeros
+    ours = triton_kernels.paged_attention(*full)
+    torch.testing.assert_close(got, ours, atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decode_and_uncovered_calls_stay_on_our_kernel():
+    cases = {"decode": (paged_batch(DECODE)[0], None),
+             "block size 128 (TMA pages)": (paged_batch(block_size=128)[0], None),
+             "differential": (paged_batch()[0], torch.rand(8, device="cuda"))}
+    for name, (args, lam) in cases.items():
+        full = list(op_args(args))
+        full[6] = lam
+        assert not flash_backend.covers_paged(*full), name
+        assert torch.equal(torch.ops.compiled_attn.paged_attention.default(*full),
+                           triton_kernels.paged_attention(*full)), name
+
+
+def test_paged_prefill_through_flash_stays_opaque_under_compile():
+    args, _ = paged_batch()
+    full = op_args(args)
+    eager = flash_backend.paged_attention(*full)
+    op = torch.ops.compiled_attn.paged_attention.default
+    compiled = torch.compile(lambda q: op(q, *full[1:]) * 1.0, fullgraph=True)
+    torch.testing.assert_close(compiled(args[0]), eager, atol=0, rtol=0)  # flash-attn 4 ran, not our kernel
+
+
+def test_paged_prefill_through_flash_captures_in_a_cuda_graph():
+    args, _ = paged_batch()
+    query = args[0]
+    full = op_args(args)
+    op = torch.ops.compiled_attn.paged_attention.default
+    eager = op(*full)  # compiles flash-attn 4's kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*full)
+    query.copy_(torch.randn_like(query))
+    graph.replay()
+    torch.testing.assert_close(out, flash_backend.paged_attention(*full), atol=0, rtol=0)
     assert not torch.equal(out, eager)
