@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt-file", type=Path, help="file with one prompt per line")
     prompts.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                          help="a prompt as comma-separated token ids (repeatable)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens (bytes) per completion, default 96")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of --random-model)")

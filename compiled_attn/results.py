@@ -53,24 +53,36 @@ class ResultRow:
         return self.ratio <= float(bound) if op == "<=" else self.ratio >= float(bound)
 
 
+def _line(row: ResultRow) -> str:
+    met = {None: "", True: "yes", False: "**no**"}[row.met]
+    if not row.anchor_value:  # reported alone, no anchor to divide by
+        return f"| {row.case} | {row.metric} | {row.value:.4g} | {row.anchor} |  |  | {row.target} | {met} |"
+    return (f"| {row.case} | {row.metric} | {row.value:.4g} | {row.anchor} | "
+            f"{row.anchor_value:.4g} | {row.ratio:.3f} | {row.target} | {met} |")
+
+
+def format_table(rows: list[ResultRow], title: str, env: dict[str, str] | None = None) -> str:
+    """The Markdown table of ``rows`` under ``title`` and this run's :func:`environment`."""
+    env = environment() if env is None else env
+    lines = [
+        f"\n## {title}: {env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}\n",
+        "| case | metric | value | anchor | anchor value | ratio | target | met |",
+        "|---|---|---|---|---|---|---|---|",
+        *map(_line, rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_results(rows: list[ResultRow], results_dir: str | Path, name: str, title: str) -> str:
     """Append ``rows`` to ``results_dir/name.md`` and ``.jsonl``; returns the Markdown table."""
     env = environment()
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"\n## {title}: {env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}\n",
-        "| case | metric | value | anchor | anchor value | ratio | target | met |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     with open(results_dir / f"{name}.jsonl", "a", encoding="utf-8") as jsonl:
         for row in rows:
-            met = {None: "", True: "yes", False: "**no**"}[row.met]
-            lines.append(f"| {row.case} | {row.metric} | {row.value:.4g} | {row.anchor} | "
-                         f"{row.anchor_value:.4g} | {row.ratio:.3f} | {row.target} | {met} |")
             record = {**env, **asdict(row), "ratio": row.ratio, "met": row.met}
             jsonl.write(json.dumps(record) + "\n")
-    table = "\n".join(lines) + "\n"
+    table = format_table(rows, title, env)
     with open(results_dir / f"{name}.md", "a", encoding="utf-8") as md:
         md.write(table)
     return table

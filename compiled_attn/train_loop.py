@@ -175,6 +175,11 @@ class Trainer:
 
         c = self.config
         started = time.perf_counter()
+        finished_summary = self._finished_summary()
+        if finished_summary is not None:
+            self.log(f"{c.resume} is the last step ({c.steps}) of a finished run: nothing to train, "
+                     f"{c.out_dir / 'summary.json'} kept")
+            return TrainResult([], self.start_step, list(self.val_history), finished_summary, True)
         if c.resume is not None:
             self.log(f"resuming from {c.resume} at step {self.start_step}")
         c.out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +248,15 @@ class Trainer:
         (c.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         return TrainResult(run_losses, self.start_step, list(self.val_history), summary, finished)
 
+    def _finished_summary(self) -> dict | None:
+        """The ``summary.json`` of this run when it resumed at its last step and that summary
+        says the run finished (so resuming a finished run keeps its figures), else ``None``."""
+        path = self.config.out_dir / "summary.json"
+        if self.start_step != self.config.steps or not path.is_file():
+            return None
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        return summary if summary.get("finished") and summary.get("steps_done") == self.config.steps else None
+
     def _summary(self, losses, windows: list[tuple[int, float]], mean_keys, export: Path | None) -> dict:
         """The ``summary.json`` object; its ``throughput`` as
         :func:`~compiled_attn.train_throughput.throughput`."""
@@ -255,7 +269,7 @@ class Trainer:
             "parameters": parameter_counts(self.model),
             "steps": c.steps, "start_step": self.start_step, "steps_done": self.start_step + len(losses),
             "finished": export is not None, "tokens_per_step": c.batch_rows * c.seq_len,
-            "tokens_trained": c.steps * c.batch_rows * c.seq_len,
+            "tokens_trained": (self.start_step + len(losses)) * c.batch_rows * c.seq_len,
             "final_train_loss": losses[-1] if losses else None,
             "val_bits_per_byte": self.val_history[-1][1] if self.val_history else None,
             "val_history": [list(v) for v in self.val_history],

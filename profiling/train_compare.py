@@ -10,7 +10,8 @@ plain one attends with ``H`` heads of ``head_dim``. Same data (the standard libr
 files), same split, same row order, schedule, seeds and token budget; the metric is validation
 bits per byte at the end. Both counts are reported.
 
-For each seed the table (appended to ``<results_dir>/train.md`` and ``train.jsonl``) has the
+For each seed the table (appended to ``<results_dir>/train.md`` and ``train.jsonl``; a
+``--tiny`` run only prints it unless ``--results-dir`` is given) has the
 DIFF model's validation bits per byte against the plain model's (ratio < 1: DIFF is better),
 their training throughput, and the mean over seeds.
 
@@ -24,6 +25,7 @@ Usage::
 
     python profiling/train_compare.py --tiny                           # CPU, a few minutes
     python profiling/train_compare.py --seeds 0 1 2 --max-seconds 540  # H200, shipped size; rerun until the table
+    python profiling/train_compare.py --seeds 0 1 --steps 300 --batch-rows 32   # the 2026-11-30 table (9.8 M tokens)
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 from compiled_attn.data import load_corpus
-from compiled_attn.results import ResultRow, write_results
+from compiled_attn.results import ResultRow, format_table, write_results
 from compiled_attn.train import (
     TINY_RUN, TRAJECTORY_FIELDS, TrainConfig, settings_of, shipped_config, tiny_config, train,
 )
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"))
     parser.add_argument("--data-root", type=Path, help="default: the standard library")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/compare"), help="the runs' directories")
-    parser.add_argument("--results-dir", type=Path, default=Path("profiling/results"))
+    parser.add_argument("--results-dir", type=Path,
+                        help="where train.md / train.jsonl are appended (default: profiling/results; with "
+                             "--tiny, nowhere: the table is only printed)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--max-seconds", type=float,
                         help="stop (exit 3) after this many seconds; the same command continues")
@@ -132,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{model.intermediate_size}; {base.steps} steps x {base.batch_rows} x {base.seq_len} = {tokens:,} "
              f"tokens, AdamW lr {base.lr:g} warm-up {base.warmup_steps} cosine to {base.min_lr_ratio:g}x, "
              f"{base.precision}, compile {base.compile}, seeds {args.seeds}; ratio < 1: DIFF better)")
-    print(write_results(rows, args.results_dir, "train", title))
+    results_dir = args.results_dir or (None if args.tiny else Path("profiling/results"))
+    if results_dir is None:
+        print(format_table(rows, title))
+    else:
+        print(write_results(rows, results_dir, "train", title))
     return 0
 
 

@@ -168,7 +168,7 @@ def test_text_output(capsys, tmp_path):
 @pytest.mark.parametrize(
     "setup, match",
     [
-        ("missing", r"no-model-here has no config\.json"),
+        ("missing", r"no-model-here does not exist"),
         ("empty", r"has no config\.json"),
         ("llama", r"model_type='llama'"),
         ("no-weights", r"model\.safetensors"),

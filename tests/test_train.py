@@ -185,9 +185,16 @@ def test_run_stopped_by_max_seconds_continues_with_resume_latest(tmp_path, corpu
     assert not (tmp_path / "b" / "model").exists()
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["finished"] is False and summary["steps_done"] == 1
+    assert summary["tokens_trained"] == summary["tokens_per_step"]  # what ran, not the schedule
     rest = train(tiny_run(tmp_path / "b", corpus_root, eval_every=4, resume="latest"), corpus)
     assert rest.finished and rest.start_step == 1 and rest.losses == straight.losses[1:]
     assert rest.val_history == straight.val_history and (tmp_path / "b" / "model" / "config.json").is_file()
+    # Resuming the finished run trains nothing and keeps its summary.
+    written = (tmp_path / "b" / "summary.json").read_text()
+    again = train(tiny_run(tmp_path / "b", corpus_root, eval_every=4, resume="latest"), corpus)
+    assert again.finished and again.losses == [] and again.summary == json.loads(written)
+    assert (tmp_path / "b" / "summary.json").read_text() == written
+    assert again.summary["final_train_loss"] == rest.losses[-1]
     fresh = tiny_run(tmp_path / "c", corpus_root, resume="latest")  # nothing to resume: a fresh start
     assert fresh.resume is None
 

@@ -161,6 +161,8 @@ def load_config(model_dir: str | Path) -> DiffLlamaConfig:
             the message starts with the file's path and names the field and the value.
     """
     path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist (or is not a directory)")
     if not path.is_file():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
     values = _read_json(path)  # its errors name the file already

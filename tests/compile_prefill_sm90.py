@@ -1,0 +1,85 @@
+"""Compile the Hopper prefill kernel at its real tiles for sm90 (H100/H200) without a GPU.
+
+Run as a script in a process without ``TRITON_INTERPRET``: :func:`varlen_prefill` runs on
+small CPU tensors with its launches recorded instead of made (as ``compile_sm90.py``), at
+the :data:`HOPPER_TILES` of each case and with TMA descriptors on; each recorded launch
+goes through ``triton.compile`` for sm90 down to the cubin, then Triton's bundled
+``ptxas -v`` reports registers and spills of the PTX. Prints one JSON list of
+``{case, tiles, shared, registers, spill_stores, spill_loads}``.
+
+    python tests/compile_prefill_sm90.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_sm90 import compile_for_sm90  # noqa: E402
+
+
+def recorded_launches() -> list[tuple[str, object, dict, dict]]:
+    """``(case, kernel, arguments by name, options)``: bf16 causal prefill at the Hopper
+    tiles, plain and differential, D 64 and 128 (D 256 plain), GQA 4."""
+    import importlib
+
+    from compiled_attn.ops.triton_kernels import launch_utils
+
+    # (the package's name ``prefill_kernel`` is the kernel; the module is in sys.modules)
+    prefill = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
+
+    launches, case = [], [""]
+
+    def record(self, key, grid, args, device_index, specialize):
+        constexprs, options = specialize()
+        launches.append((case[0], self.kernel, {**dict(zip(self.kernel.arg_names, args)), **constexprs}, options))
+
+    launch_utils.CachedLauncher.__call__ = record
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 100, 356], dtype=torch.int32)
+    for (head_size, differential), tiles in prefill.HOPPER_TILES.items():
+        case[0] = f"{'differential' if differential else 'plain'} d{head_size} bf16"
+        q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+        kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
+        lam = torch.full((16,), 0.5) if differential else None
+        prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=tiles, use_tma=True)
+    return launches
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes of the PTX's kernel, from ``ptxas -v`` for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        Path(src).write_text(ptx)
+        done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    log = done.stdout + done.stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return {"registers": registers, "spill_stores": stores, "spill_loads": loads}
+
+
+def main() -> None:
+    report = []
+    for case, kernel, kwargs, options in recorded_launches():
+        compiled = compile_for_sm90(kernel, kwargs, options)
+        assert "cubin" in compiled.asm, "no cubin"
+        tiles = f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{options['num_warps']} s{options['num_stages']}"
+        report.append({"case": case, "tiles": tiles, "shared": compiled.metadata.shared,
+                       **ptxas_usage(compiled.asm["ptx"])})
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

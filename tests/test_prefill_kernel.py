@@ -1,0 +1,207 @@
+"""The Hopper prefill kernel (``ops/triton_kernels/prefill_kernel.py``) against the float64 oracle.
+
+Without a GPU the kernel runs on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set by ``conftest.py``), at small tiles, both with its TMA
+descriptor loads and with its pointer loads (the interpreter emulates tensor descriptors);
+with a GPU the same cases run compiled at small tiles. Every case draws fresh random
+inputs, fills the output with NaN (every element must be written) and puts NaN in K/V rows
+past the last sequence (a kernel that reads a key past its sequence unmasked fails).
+``test_compiles_for_sm90_without_spills`` compiles the real Hopper tiles for sm90 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
+
+from oracle import assert_close_to_oracle, oracle_varlen  # noqa: E402
+from paged_batches import make_lambda, make_varlen_batch  # noqa: E402
+
+from compiled_attn.ops.attention import output_shape  # noqa: E402
+from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
+from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
+    HOPPER_TILES,
+    SWEEP_TILES,
+    PrefillTiles,
+    covers,
+    varlen_prefill,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+if INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use loaded scalars as loop bounds under "
+                "NumPy 2 (see test_triton_interpret.py)", allow_module_level=True)
+
+SMALL = PrefillTiles(16, 16, 4, 1)
+TALL = PrefillTiles(32, 16, 4, 1)  # block_m != block_n
+SPLIT = PrefillTiles(16, 16, 4, 1, value_split=True)
+
+
+def run(q_lens, k_lens=None, *, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
+        tiles=SMALL, use_tma=None, seed=0, scale_softcap=None, **options):
+    """Kernel vs oracle; NaN-poisoned output and NaN K/V rows past the last sequence."""
+    batch = make_varlen_batch(q_lens, k_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                              dtype=dtype, seed=seed)
+    q, k, v, cu_q, cu_k = batch.attention_args()
+    pad = torch.full((3, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    k_pad, v_pad = torch.cat([k, pad]), torch.cat([v, pad])  # keys no sequence owns
+    out = torch.full(output_shape(q, lam is not None), float("nan"), dtype=dtype, device=DEVICE)
+    window = options.pop("window_size", (-1, -1))
+    if use_tma is None:  # interpreter: forced on; GPU: the launcher's own choice
+        use_tma = True if INTERPRETED else None
+    dev = [t.to(DEVICE) for t in (q, k_pad, v_pad, cu_q, cu_k)]
+    launch = dict(options)
+    if scale_softcap is not None:  # per-call scalars: the float arguments must be ignored
+        launch.update(scale=123.0, softcap=0.0)
+    got = varlen_prefill(*dev, None if lam is None else lam.to(DEVICE), window_left=window[0],
+                         window_right=window[1], scale_softcap=None if scale_softcap is None else
+                         torch.tensor(scale_softcap, device=DEVICE), out=out, tiles=tiles, use_tma=use_tma, **launch)
+    assert got is out
+    if scale_softcap is not None:
+        options.update(scale=scale_softcap[0], softcap=scale_softcap[1])
+    expected = oracle_varlen(q, k, v, cu_q, cu_k, window=window, lambda_full=lam, **options)
+    assert_close_to_oracle(out, expected)
+    if batch.empty_rows:
+        assert bool((out[batch.empty_rows] == 0).all()), "rows with no key must be exact zeros"
+
+
+# Lengths: single tokens, a query longer than a tile (37 > 16 or 32) with a partial last
+# tile, unequal q/k lengths (causal bottom-right: early queries of a longer query run see
+# nothing), a sequence with no keys, exact tile multiples.
+LENS_Q = [1, 37, 5, 3, 16, 1, 9]
+LENS_K = [1, 37, 9, 0, 16, 6, 4]
+
+
+@pytest.mark.parametrize("use_tma", [True, False] if INTERPRETED else [None, False],
+                         ids=lambda t: "ptr" if t is False else "tma")
+@pytest.mark.parametrize("kind", ["plain", "diff-scalar", "diff-pair", "diff-split"])
+def test_causal_varlen(kind, use_tma):
+    lam = None if kind == "plain" else make_lambda(4, per_pair=kind != "diff-scalar", seed=len(kind))
+    run(LENS_Q, LENS_K, lam=lam, use_tma=use_tma, tiles=SPLIT if kind == "diff-split" else SMALL, seed=1)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (8, 2)], ids=["gqa1", "gqa2", "gqa4"])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_gqa(num_heads, num_kv_heads, differential):
+    lam = make_lambda(num_heads, per_pair=True, seed=num_heads) if differential else None
+    run([20, 3], [26, 3], num_heads=num_heads, num_kv_heads=num_kv_heads, lam=lam, tiles=TALL, seed=num_heads)
+
+
+@pytest.mark.parametrize("window, causal", [((7, -1), True), ((20, -1), True), ((5, 3), False), ((-1, 4), False),
+                                            ((-1, -1), False)],
+                         ids=["left7", "left20", "both", "right-only", "none-noncausal"])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_windows(window, causal, differential):
+    lam = make_lambda(4, per_pair=True, seed=3) if differential else None
+    run([40, 2, 17], [40, 9, 30], lam=lam, causal=causal, window_size=window, seed=sum(window) + 50)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_softcap_and_scale(differential):
+    lam = make_lambda(4, per_pair=False, seed=9) if differential else None
+    run([19, 4], [19, 11], lam=lam, softcap=2.0, scale=0.4, seed=11)
+    run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 3.0], seed=12, window_size=(9, -1))
+    run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 0.0], causal=False, seed=13)  # softcap 0: off
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_head_sizes_fp16(head_size, differential):
+    lam = make_lambda(4, per_pair=True, seed=head_size) if differential else None
+    run([18, 1, 5], [18, 1, 9], head_size=head_size, dtype=torch.float16, lam=lam, seed=head_size,
+        tiles=SPLIT if differential and head_size == 128 else SMALL)
+
+
+def test_many_sequences():
+    """Sequences whose query counts straddle tile boundaries (the binary search over
+    ``cu_seqlens_q``, the ``T // BLOCK_M + B`` tile bound, the reversed tile order)."""
+    g = torch.Generator().manual_seed(5)
+    q_lens = [int(x) for x in torch.randint(1, 35, (12,), generator=g)]
+    k_lens = [q + int(torch.randint(0, 9, (), generator=g)) for q in q_lens]
+    run(q_lens, k_lens, num_heads=2, num_kv_heads=1, seed=6)
+
+
+def test_covers_and_routing_switch():
+    """The predicate takes fp16/bf16 D 64/128/256 (differential 64/128) without ALiBi; the
+    op keeps the unified kernel until ``PREFILL_KERNEL`` is flipped."""
+    assert attention_launchers.PREFILL_KERNEL == "unified"
+    bf16 = dict(dtype=torch.bfloat16)
+    for size, lam, expected in ((64, None, True), (128, None, True), (256, None, True), (96, None, False),
+                                (128, torch.tensor(0.5), True), (256, torch.tensor(0.5), False)):
+        q, kv = torch.empty(8, 4, size, **bf16), torch.empty(8, 2, size, **bf16)
+        assert covers(q, kv, kv, lam, None) is expected, (size, lam)
+    q, kv = torch.empty(8, 4, 128, **bf16), torch.empty(8, 2, 128, **bf16)
+    assert not covers(q, kv, kv, None, torch.ones(4))
+    assert not covers(q.float(), kv.float(), kv.float(), None, None)
+    assert set(SWEEP_TILES) == set(HOPPER_TILES)
+
+
+def test_compiles_for_sm90_without_spills():
+    """The real Hopper tiles (bf16, TMA) lower to a cubin for sm90 within 227 KiB of shared
+    memory and without register spills (``tests/compile_prefill_sm90.py``, in a process
+    without ``TRITON_INTERPRET``; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).with_name("compile_prefill_sm90.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == len(HOPPER_TILES)
+    for row in report:
+        assert 0 < row["shared"] <= 227 * 1024, row
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+GPU_CASES = [(64, False), (128, False), (256, False), (64, True), (128, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU (sm90 for the TMA path)")
+@pytest.mark.parametrize("tiles_from", ["default", "sweep"])
+@pytest.mark.parametrize("head_size, differential", GPU_CASES, ids=[f"d{d}-{'diff' if f else 'plain'}"
+                                                                     for d, f in GPU_CASES])
+def test_gpu_real_tiles(head_size, differential, tiles_from):
+    """bf16 at the Hopper tiles (and every alternative the benchmark sweeps), TMA on where
+    the GPU has it: sequences longer than a tile, a partial last tile, a single token, a
+    window, GQA 4 (``pytest -m gpu tests/test_prefill_kernel.py`` on the H200)."""
+    key = (head_size, differential)
+    every = (HOPPER_TILES[key],) if tiles_from == "default" else SWEEP_TILES[key]
+    lam = make_lambda(8, per_pair=True, seed=head_size) if differential else None
+    for lens, options in ((([150, 1, 129, 260], [150, 1, 160, 260]), {}),
+                          (([140, 64], [140, 80]), dict(window_size=(100, -1), softcap=20.0))):
+        batch = make_varlen_batch(*lens, num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16,
+                                  seed=head_size)
+        window = options.get("window_size", (-1, -1))
+        expected = oracle_varlen(*batch.attention_args(), window=window, lambda_full=lam,
+                                 softcap=options.get("softcap", 0.0))  # once: the oracle is slow
+        args = [t.to(DEVICE) for t in batch.attention_args()]
+        for tiles in every:
+            out = torch.full(expected.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            varlen_prefill(*args, None if lam is None else lam.to(DEVICE), window_left=window[0],
+                           window_right=window[1], softcap=options.get("softcap", 0.0), out=out, tiles=tiles)
+            assert_close_to_oracle(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU")
+def test_gpu_op_routes_when_switched(monkeypatch):
+    """With ``PREFILL_KERNEL = "hopper"`` the op's CUDA launcher gives the same result
+    through the prefill kernel (and still the unified kernel for ALiBi)."""
+    batch = make_varlen_batch([200, 37], [200, 50], num_heads=8, num_kv_heads=2, head_size=128,
+                              dtype=torch.bfloat16, seed=3)
+    args = [t.to(DEVICE) for t in batch.attention_args()]
+    unified = attention_launchers.varlen_attention(*args)
+    monkeypatch.setattr(attention_launchers, "PREFILL_KERNEL", "hopper")
+    routed = attention_launchers.varlen_attention(*args)
+    torch.testing.assert_close(routed, unified, atol=2e-2, rtol=2e-2)
