@@ -15,6 +15,10 @@ module                         idea
                                (decode rows), cuBLAS with the kernels below for more rows
 ``norm_act_kernel``            RMSNorm and SwiGLU (+ residual) row kernels
 ``config``                     tile sizes and split count from tensor shapes only (CUDA-graph safe)
+``prefill_kernel``             Hopper prefill for contiguous varlen q/k/v (plain and fused differential):
+                               TMA descriptor loads, 128-row tiles, causal tile skipping with
+                               unmasked interior tiles, reversed tile order; ``varlen_prefill``
+                               launcher and ``covers`` (``attention.PREFILL_KERNEL`` routes to it)
 ``attention``                  host launchers ``paged_attention`` / ``varlen_attention``
 ``launch_utils``               small host helpers (powers of two, device guard, SM count)
 =============================  =======================================================================
@@ -37,10 +41,11 @@ from .launch_utils import traced_launches
 from .linear_kernel import fused_linear, fused_linear_kernel
 from .merge_kernel import merge_splits_kernel
 from .norm_act_kernel import rms_norm_kernel, silu_and_mul_kernel
+from .prefill_kernel import prefill_kernel, varlen_prefill
 
 KERNELS = (attention_kernel, merge_splits_kernel, reshape_and_cache_kernel, fused_linear_kernel,
            rms_norm_kernel, silu_and_mul_kernel, attention_backward_dq_kernel, attention_backward_dkdv_kernel,
-           combine_pairs_kernel)
+           combine_pairs_kernel, prefill_kernel)
 
 
 def compiled_variants() -> int:
@@ -51,4 +56,4 @@ def compiled_variants() -> int:
 
 
 __all__ = ["compiled_variants", "fused_linear", "paged_attention", "reshape_and_cache", "traced_launches",
-           "varlen_attention", "varlen_attention_backward"]
+           "varlen_attention", "varlen_attention_backward", "varlen_prefill"]

@@ -29,6 +29,15 @@ from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
                            next_power_of_2)
 from .merge_kernel import merge_splits_kernel
+from .prefill_kernel import covers as prefill_covers
+from .prefill_kernel import varlen_prefill
+
+PREFILL_KERNEL = "unified"
+"""Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
+every call) or ``"hopper"`` (:mod:`.prefill_kernel` for the calls its ``covers`` accepts:
+fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
+the unified kernel for the rest). Read at each call (and at trace time under
+``torch.compile``), so a benchmark can flip it."""
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
 
@@ -87,7 +96,12 @@ def varlen_attention(
 ) -> Tensor:
     """The ``compiled_attn::varlen_attention`` op on CUDA: attention over packed contiguous
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
-    differential. Other arguments as :func:`paged_attention`."""
+    differential. Other arguments as :func:`paged_attention`. With :data:`PREFILL_KERNEL`
+    ``"hopper"``, covered calls go to :func:`.prefill_kernel.varlen_prefill`."""
+    if (PREFILL_KERNEL == "hopper" and num_splits is None and q.is_cuda
+            and prefill_covers(q, k, v, lambda_full, alibi_slopes)):
+        return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                              window_right, softcap, None, scale_softcap, out=out)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, k.shape[0], lambda_full, scale, causal,
                       window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits)
 
