@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import operator
 import time
 from contextlib import contextmanager
@@ -34,11 +33,10 @@ from torch.profiler import record_function
 from .compile import CompiledFunction, CompileStats
 from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
-from .layers import Attention, DifferentialAttention
 from .model_runner import InflightStep, ModelRunner
-from .ops.backends import TRITON_AVAILABLE
 from .sampling import SamplingParams, check_seed, sample
 from .scheduler import Chunk, Request, Scheduler
+from .warmup import warmup_batches
 
 __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings", "engine_mode"]
 
@@ -223,7 +221,7 @@ class Engine:
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
         allocator = self.kv_cache.allocator
-        need = self._blocks_reserved(len(prompt), params.max_new_tokens)
+        need = self.blocks_reserved(len(prompt), params.max_new_tokens)
         if need > allocator.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {len(prompt)} + {params.max_new_tokens} tokens needs "
@@ -250,7 +248,7 @@ class Engine:
         step in flight (whose tokens may still finish requests or have to be dropped)."""
         return self.scheduler.has_unfinished() or self._inflight is not None
 
-    def _blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
+    def blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
         """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance)."""
         tokens = min(prompt_len + max_new_tokens + 1, self.max_model_len)
         return -(-tokens // self.kv_cache.block_size)
@@ -424,7 +422,8 @@ class Engine:
         CUDA one prefill per Triton kernel variant that a prefill batch within this engine's
         limits can reach, over contiguous k/v and over the paged cache (a mixed step, chunked
         prefill or a prefix hit runs the paged kernel at prefill sizes), plus one decode step
-        per variant of the batch sizes that run without a graph (:meth:`_warmup_batches`).
+        per variant of the batch sizes that run without a graph
+        (:func:`~compiled_attn.warmup.warmup_batches`).
         Triton keeps what it compiled, so later requests reuse it; the timings and the cache
         are left as before.
         """
@@ -432,7 +431,7 @@ class Engine:
         allocator = self.kv_cache.allocator
         prefix_caching, allocator.prefix_caching = allocator.prefix_caching, False  # every batch runs whole
         try:
-            for num_seqs, prompt_len, new_tokens, paged in self._warmup_batches():
+            for num_seqs, prompt_len, new_tokens, paged in warmup_batches(self):
                 self.runner.paged_prefill = paged
                 self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
         finally:
@@ -445,49 +444,6 @@ class Engine:
         self.timings, self._ids, self.runner.decode_layout = Timings(), itertools.count(), None
         self.scheduler.num_preemptions = 0
         return time.perf_counter() - start
-
-    def _warmup_batches(self) -> list[tuple[int, int, int, bool]]:
-        """``(num_seqs, prompt_len, max_new_tokens, paged)`` of the warm-up batches (``paged``:
-        its prefill runs the paged kernel, see :attr:`ModelRunner.paged_prefill`).
-
-        Every batch fits the engine's limits at once (:meth:`_fits`) and runs with the prefix
-        cache off (so that each prefill runs whole). Prefill candidates:
-        every ``num_seqs`` up to ``max_num_seqs`` with prompts of 1..3
-        tokens, powers of two and one past them (where tile sizes change) and a 10% geometric
-        grid between (where split counts change), that fit the cache with a decode step to
-        spare. Decode candidates: the batch sizes no CUDA graph serves.
-        :func:`~compiled_attn.ops.triton_kernels.attention.distinct_variants` keeps the first
-        batch of each kernel variant, per kind of attention layer.
-        """
-        batches = [(1, 1, 2, False) if self._fits(1, 1, 2) else (1, 1, 1, False)]  # a prefill and a decode step
-        if self.device.type == "cuda" and TRITON_AVAILABLE:
-            from .ops.triton_kernels.attention import distinct_variants
-
-            powers = [1 << i for i in range(self.max_model_len.bit_length())]
-            geometric = [round(1.1 ** i) for i in range(int(math.log(self.max_model_len, 1.1)) + 1)]
-            lengths = sorted({1, 2, 3, *powers, *(p + 1 for p in powers), *geometric})
-            prefills = [(b, b * n) for b in range(1, self.max_num_seqs + 1) for n in lengths if self._fits(b, n, 1)]
-            graphed = self.runner.capture_sizes[-1] if self.cuda_graphs else 0
-            decodes = [(b, b) for b in range(graphed + 1, self.max_num_seqs + 1) if self._fits(b, 1, 2)]
-            config = self.local_config
-            heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-            max_kv_len = self.max_blocks_per_seq * self.kv_cache.block_size
-            for differential in {isinstance(m, DifferentialAttention) for m in self.model.modules()
-                                 if isinstance(m, Attention)}:
-                variant = dict(differential=differential, dtype=self.dtype, device=self.device)
-                if self.kv_cache_dtype != torch.float8_e4m3fn:  # an fp8 cache's prefills are paged anyway
-                    batches += [(b, t // b, 1, False) for b, t in distinct_variants(prefills, *heads, **variant)]
-                batches += [(b, t // b, 1, True)
-                            for b, t in distinct_variants(prefills, *heads, **variant, max_kv_len=max_kv_len)]
-                batches += [(b, 1, 2, False)
-                            for b, _ in distinct_variants(decodes, *heads, **variant, max_kv_len=max_kv_len)]
-        return [batch for batch in dict.fromkeys(batches) if self._fits(*batch[:3])]
-
-    def _fits(self, num_seqs: int, prompt_len: int, new_tokens: int) -> bool:
-        """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit this
-        engine at once, whole and without preemption."""
-        return (num_seqs <= self.max_num_seqs and prompt_len + new_tokens <= self.max_model_len
-                and num_seqs * self._blocks_reserved(prompt_len, new_tokens) <= self.kv_cache.allocator.num_blocks)
 
     # --- batch API ------------------------------------------------------------------------
 
