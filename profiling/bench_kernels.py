@@ -134,7 +134,11 @@ def prefill_rows() -> list[ResultRow]:
     fused = _eager_ms(lambda: _subln(triton_kernels.varlen_attention(q, k, v, cu, cu, lam)))
     rows.append(ResultRow(f"{case} differential: seed 4 SDPA calls / ours", "ms", _eager_ms(seed),
                           "ours ms", fused, ">= 2.0"))
-    return rows + hopper_prefill_rows()
+    try:  # the Hopper kernel has not run on a GPU before: its failure must not cost the rows above
+        return rows + hopper_prefill_rows()
+    except Exception as err:
+        print(f"hopper prefill rows FAILED: {type(err).__name__}: {str(err)[:300]}")
+        return rows
 
 
 def _varlen_batches() -> dict[str, list[int]]:
@@ -260,20 +264,30 @@ def flash_rows() -> list[ResultRow]:
                               "op ms", plain["op"], ">= 0.97"))
         rows.append(ResultRow(f"prefill {case} plain: our Triton / our op (backend)", "ms", plain["ours Triton"],
                               "op ms", plain["op"]))
-        hopper = {"plain": _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu)),
-                  "differential": _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam))}
-        rows.append(ResultRow(f"prefill {case} plain: flash-attn 4 / our hopper kernel", "ms", plain["flash-attn 4"],
-                              "hopper ms", hopper["plain"], ">= 1.0"))
+        try:  # a kernel that fails to build or launch here must not cost the flash-attn rows
+            hopper = {"plain": _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu)),
+                      "differential": _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam))}
+        except Exception as err:
+            print(f"hopper prefill kernel FAILED: {type(err).__name__}: {str(err)[:300]}")
+            hopper = None
+        if hopper is not None:
+            rows.append(ResultRow(f"prefill {case} plain: flash-attn 4 / our hopper kernel", "ms",
+                                  plain["flash-attn 4"], "hopper ms", hopper["plain"], ">= 1.0"))
         best = min(("flash-attn 4 two calls", "flash-attn 4 four calls"), key=diff.get)
         rows.append(ResultRow(f"prefill {case} differential: {best} / our op (backend)", "ms", diff[best],
                               "op ms", diff["op"], ">= 0.97"))
         for name in ("flash-attn 4 four calls", "ours Triton fused", "backend's two calls"):
             rows.append(ResultRow(f"prefill {case} differential: {name} / our op (backend)", "ms", diff[name],
                                   "op ms", diff["op"]))
-        rows.append(ResultRow(f"prefill {case} differential: our hopper kernel / flash-attn 4 two calls", "ms",
-                              hopper["differential"], "flash-attn 4 two calls ms", diff["flash-attn 4 two calls"],
-                              "<= 1.0"))
-    return rows + paged_prefill_rows(library)
+        if hopper is not None:
+            rows.append(ResultRow(f"prefill {case} differential: our hopper kernel / flash-attn 4 two calls", "ms",
+                                  hopper["differential"], "flash-attn 4 two calls ms",
+                                  diff["flash-attn 4 two calls"], "<= 1.0"))
+    try:
+        return rows + paged_prefill_rows(library)
+    except Exception as err:
+        print(f"paged prefill rows FAILED: {type(err).__name__}: {str(err)[:300]}")
+        return rows
 
 
 def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:

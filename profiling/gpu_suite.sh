@@ -9,7 +9,9 @@
 #                                        # tile sweep of SWEEP_SECONDS (default 150; 0: none)
 #   bash profiling/gpu_suite.sh decode [B ...]  # compiled-attn bench (default batch sizes 1 64;
 #                                        # MODES="graphs compiled reduce-overhead" picks runtimes)
-#   bash profiling/gpu_suite.sh tests    # every GPU test (pytest -m gpu)
+#   bash profiling/gpu_suite.sh tests    # every GPU test (pytest -m gpu) but the new kernels'
+#   bash profiling/gpu_suite.sh newkernels  # GPU tests of the varlen backward and the Hopper prefill
+#                                        # kernel, each in its own process, and a 60-step training run
 #   bash profiling/gpu_suite.sh compile  # our kernels inside Inductor's code (tests/test_gpu_compile.py)
 #                                        # and the model decode step per runtime (bench_host.py --model)
 #   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh:
@@ -30,7 +32,7 @@
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|compile|flash|host|report|train|compare}
+stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|newkernels|compile|flash|host|report|train|compare}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -108,10 +110,24 @@ decode)
     ;;
 tests)
     # Serial: the real-size kernel tests take up to 70 GiB each (parallel workers run out of memory).
-    run pytest_gpu 540 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests"
+    # (the kernels not yet run on a GPU have their own stage: a CUDA fault there would end this process)
+    run pytest_gpu 540 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests" \
+        --ignore "$repo/tests/test_attention_backward_kernel.py" --ignore "$repo/tests/test_prefill_kernel.py"
     echo "== summary"
     echo "pytest_gpu: $(tail -n 1 "$out/pytest_gpu.log")"
     grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
+    ;;
+newkernels)
+    # One process per file, first thing: the varlen backward and the Hopper prefill kernel
+    # (written 2026-11-30, checked only under Triton's interpreter and by sm90 compiles).
+    run pytest_backward 240 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_attention_backward_kernel.py"
+    run pytest_prefill 240 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_prefill_kernel.py"
+    run train_short 240 python3 -m compiled_attn.cli train --out /tmp/train_short --device cuda --no-progress \
+        --steps 60 --warmup-steps 6 --eval-every 0 --checkpoint-every 0 --val-tokens 65536
+    echo "== summary"
+    for f in "$out"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+    grep -E "^(FAILED|ERROR)" "$out"/pytest_*.log | head -20
+    tail -n 6 "$out/train_short.log"
     ;;
 flash)
     mkdir -p "$out/results"
