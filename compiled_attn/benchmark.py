@@ -34,6 +34,7 @@ from .engine import Engine
 from .kv_cache import resolve_kv_cache_dtype
 from .models import DiffLlamaConfig, build_random_model, save_diffllama
 from .ops import flash_backend
+from .ops.arith import cdiv
 from .profiler import StepProfiler, summarize_trace
 from .results import ResultRow, write_results
 from .sampling import SamplingParams
@@ -93,7 +94,7 @@ def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, 
     ``profile_steps`` also the device-busy fraction of that many profiled decode steps."""
     block_size = 16
     max_len = prompt_len + new_tokens + 1
-    blocks = batch * -(-max_len // block_size) + 1
+    blocks = batch * cdiv(max_len, block_size) + 1
     engine = Engine(model, max_model_len=max_len, block_size=block_size, num_blocks=blocks,
                     max_num_seqs=max_batch, kv_cache_dtype=kv_cache_dtype, **ENGINE_MODES[mode])
     engine.generate(_prompts(batch, 16, model.config.vocab_size, 1), SamplingParams(max_new_tokens=4))  # warm-up

@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from .ops.arith import cdiv
+
 
 class OutOfBlocksError(RuntimeError):
     """Raised when the allocator cannot satisfy a request; names what was asked and what is free."""
@@ -92,7 +94,7 @@ class BlockAllocator:
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Extra blocks that sequence ``seq_id`` needs to hold ``num_tokens`` tokens in all."""
         have = len(self.block_tables.get(seq_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+        return max(0, cdiv(num_tokens, self.block_size) - have)
 
     def _take(self) -> int:
         if self._free:

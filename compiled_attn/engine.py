@@ -34,6 +34,7 @@ from .compile import CompiledFunction, CompileStats
 from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
 from .model_runner import InflightStep, ModelRunner
+from .ops.arith import cdiv
 from .sampling import SamplingParams, check_seed, sample
 from .scheduler import Chunk, Request, Scheduler
 from .warmup import warmup_batches
@@ -162,9 +163,9 @@ class Engine:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)  # a torch dtype
-        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self.max_blocks_per_seq = cdiv(self.max_model_len, block_size)
         if num_blocks is None:
-            num_blocks = min(8 * self.max_blocks_per_seq, -(-DEFAULT_CACHE_TOKENS // block_size))
+            num_blocks = min(8 * self.max_blocks_per_seq, cdiv(DEFAULT_CACHE_TOKENS, block_size))
         with engine_mode():  # never inference tensors: the steps write them in place
             self.kv_cache = KVCache.allocate(
                 model.num_cache_layers, num_blocks, block_size, self.local_config.num_key_value_heads,
@@ -251,7 +252,7 @@ class Engine:
     def blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
         """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance)."""
         tokens = min(prompt_len + max_new_tokens + 1, self.max_model_len)
-        return -(-tokens // self.kv_cache.block_size)
+        return cdiv(tokens, self.kv_cache.block_size)
 
     # --- steps ------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from .block_allocator import BlockAllocator, OutOfBlocksError
+from .ops.arith import cdiv
 from .ops.validation import FP8_DTYPE, FP8_MAX
 
 __all__ = ["KV_CACHE_DTYPES", "BlockAllocator", "KVCache", "OutOfBlocksError", "allocate_kv_caches",
@@ -137,7 +138,7 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
             raise ValueError(f"{name} must lie in (0, {FP8_MAX:g}], got {value}")
     param = next(model.parameters())
     config = model.config
-    blocks = [-(-len(p) // block_size) for p in prompts]
+    blocks = [cdiv(len(p), block_size) for p in prompts]
     caches = allocate_kv_caches(model.num_cache_layers, sum(blocks), block_size, config.num_key_value_heads,
                                 config.head_dim, param.dtype, param.device)
     chunks, first = [], 0

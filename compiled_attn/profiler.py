@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from .ops.arith import cdiv
+
 PHASES = ("prefill", "decode_step", "capture", "replay")
 """Phase labels the engine records; ``replay`` nests inside ``decode_step``."""
 TOP_LEVEL_PHASES = ("prefill", "decode_step", "capture")
@@ -297,7 +299,7 @@ class StepStats:
         if not durations:
             return cls()
         ordered = sorted(durations)
-        p90 = ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+        p90 = ordered[max(0, cdiv(9 * len(ordered), 10) - 1)]
         return cls(len(ordered), sum(ordered), statistics.fmean(ordered), statistics.median(ordered),
                    p90, ordered[0], ordered[-1])
 

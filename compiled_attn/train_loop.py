@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .compile import CompiledFunction, CompileStats
 from .data import IGNORE_INDEX, Corpus, PackedBatch, TokenStream, load_corpus, pack_rows, stdlib_root, train_rows
 from .models import build_random_model
+from .ops.arith import cdiv
 from .train_checkpoints import load_weights, read_checkpoint, save_model, write_checkpoint
 from .train_config import EXPORT_DTYPES, TrainConfig, settings_of
 from .train_optim import adamw, learning_rate
@@ -126,7 +127,7 @@ class Trainer:
         tokens' whole rows of the validation split, in nats, over ``ln 2`` (a token is a
         byte). ``None`` when the split has no whole row."""
         stream: TokenStream = self.corpus.val
-        rows = min(stream.num_rows(self.config.seq_len), -(-self.config.val_tokens // self.config.seq_len))
+        rows = min(stream.num_rows(self.config.seq_len), cdiv(self.config.val_tokens, self.config.seq_len))
         if rows == 0:
             return None
         self.model.eval()

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .arith import cdiv
+
 
 _HIDDEN = torch.finfo(torch.float32).min
 """Added to the score of a hidden key: finite, so that a row that sees no key gets finite
@@ -98,7 +100,7 @@ def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_
     group = num_heads // num_kv_heads
 
     # Queries as [B, max_q] rows: the query itself when every sequence has max_q of them.
-    max_q = -(-num_tokens // num_seqs)
+    max_q = cdiv(num_tokens, num_seqs)
     if cu_seqlens_q.tolist() == list(range(0, num_tokens + 1, max_q)):
         valid, q_lens, q = None, max_q, query
     else:
@@ -190,7 +192,7 @@ def paged_attention(
         return query.new_zeros(_out_shape(query, lambda_full is not None))
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_seqs = len(k_lens)
-    used = -(-max_k // block_size)
+    used = cdiv(max_k, block_size)
     past_end = _past_end(seq_lens, k_lens, max_k)
     if num_seqs == 1:  # its blocks, in order, hold its keys key-major
         index = block_table[0, :used]

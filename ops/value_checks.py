@@ -28,6 +28,8 @@ import weakref
 import numpy as np
 import torch
 
+from .arith import cdiv
+
 
 def values_readable(tensor: torch.Tensor) -> bool:
     """Whether a tensor has values to read: not a FakeTensor or FunctionalTensor (tracing),
@@ -116,7 +118,7 @@ def check_paged_values(query: torch.Tensor, key_cache: torch.Tensor, cu_seqlens_
         b = bad[0]
         raise ValueError(f"seq_lens[{b}]={lens[b]} is out of range [0, {max_len}] "
                          f"(block_table width {width} x block_size {block_size})")
-    used = np.arange(width) < (-(-lens // block_size))[:, None]
+    used = np.arange(width) < cdiv(lens, block_size)[:, None]
     table = table.reshape(-1, width)
     bad_rows = np.flatnonzero((used & ((table < 0) | (table >= num_blocks))).any(axis=1))
     if bad_rows.size:

@@ -45,6 +45,7 @@ from compiled_attn.benchmark import _prompts
 from compiled_attn.engine import Engine
 from compiled_attn.models import DEFAULT_MODEL_DIR, load_diffllama, save_diffllama
 from compiled_attn.ops import reference
+from compiled_attn.ops.arith import cdiv
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
 
@@ -125,7 +126,7 @@ def kernel_call_us(batch: int, context: int, config, repeats: int = 15) -> tuple
     call on the same queries and keys, contiguous (no gather, no differential)."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, size, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
-    used = -(-context // block)
+    used = cdiv(context, block)
     cache_blocks = batch * used + 1
     key_cache = torch.randn(cache_blocks, block, kv_heads, size, generator=g)
     value_cache = torch.randn(cache_blocks, block, kv_heads, size, generator=g)

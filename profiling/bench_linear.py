@@ -24,6 +24,7 @@ from triton.testing import do_bench_cudagraph
 
 from compiled_attn.benchmark import copy_bandwidth
 from compiled_attn.ops import fused_linear, triton_kernels
+from compiled_attn.ops.arith import cdiv
 from compiled_attn.ops.triton_kernels.linear_kernel import GEMV_MAX_ROWS, LinearTiles, choose_linear_tiles
 from compiled_attn.results import ResultRow, write_results
 
@@ -47,7 +48,7 @@ class Case:
         out_features, in_features, norm, self.silu_and_mul, residual = SHAPES[name]
         weight_rows = 2 * out_features if self.silu_and_mul else out_features
         self.weight_bytes = weight_rows * in_features * 2
-        copies = max(2, -(-STREAM_BYTES // self.weight_bytes))
+        copies = max(2, cdiv(STREAM_BYTES, self.weight_bytes))
         self.weights = [torch.randn(weight_rows, in_features, dtype=DTYPE, device="cuda") * in_features ** -0.5
                         for _ in range(copies)]
         self.x = torch.randn(rows, in_features, dtype=DTYPE, device="cuda")

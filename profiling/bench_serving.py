@@ -30,6 +30,7 @@ import torch
 from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
 from compiled_attn.models import build_random_model, random_model_config
+from compiled_attn.ops.arith import cdiv
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
 
@@ -98,7 +99,7 @@ def main() -> None:
 
     def engine(**kwargs) -> Engine:
         return Engine(model, max_model_len=max_len, max_num_seqs=64 if cuda else 16,
-                      num_blocks=-(-n * max_len // 16) // 4, **kwargs)
+                      num_blocks=cdiv(n * max_len, 16) // 4, **kwargs)
 
     rows = []
     system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]

@@ -22,6 +22,7 @@ from compiled_attn.distributed import destroy_tensor_parallel, init_tensor_paral
 from compiled_attn.engine import Engine
 from compiled_attn.models import DiffLlamaConfig, DiffLlamaForCausalLM
 from compiled_attn.models.sharding import shard_model
+from compiled_attn.ops.arith import cdiv
 from compiled_attn.sampling import SamplingParams
 
 
@@ -55,7 +56,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     max_batch = max(args.batch_sizes)
     engine = Engine(model, max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max_batch,
-                    num_blocks=max_batch * -(-(args.prompt_len + args.new_tokens) // 16) + 8,
+                    num_blocks=max_batch * cdiv(args.prompt_len + args.new_tokens, 16) + 8,
                     compile=True, cuda_graphs=cuda)
     for batch in args.batch_sizes:
         prompts = [[(7 * i + j) % config.vocab_size for j in range(args.prompt_len)] for i in range(batch)]
