@@ -18,7 +18,7 @@ from .data import IGNORE_INDEX, Corpus, PackedBatch, TokenStream, load_corpus, p
 from .models import build_random_model
 from .ops.arith import cdiv
 from .train_checkpoints import load_weights, read_checkpoint, save_model, write_checkpoint
-from .train_config import EXPORT_DTYPES, TrainConfig, settings_of
+from .train_config import EXPORT_DTYPES, TrainConfig, latest_checkpoint, settings_of
 from .train_optim import adamw, learning_rate
 from .train_throughput import parameter_counts, throughput
 
@@ -55,13 +55,18 @@ class Trainer:
     Raises:
         ValueError: the data leaves fewer than ``batch_rows`` training rows; ``corpus`` of
             another root or split; a resume checkpoint that is missing, unreadable or made
-            with other trajectory settings.
+            with other trajectory settings; a fresh run (no ``resume``) into an ``out_dir``
+            that holds checkpoints of an earlier run (runs would mix there).
         FileNotFoundError: ``config.data_root`` is not a directory.
     """
 
     def __init__(self, config: TrainConfig, corpus: Corpus | None = None, log: Callable[[str], None] = print):
         self.config = config
         self.log = log
+        earlier = latest_checkpoint(config.out_dir)
+        if config.resume is None and earlier is not None:
+            raise ValueError(f"out_dir {config.out_dir} holds checkpoints of an earlier run ({earlier.name}): "
+                             "continue it with resume='latest' (--resume latest) or train into another out_dir")
         self.device = torch.device(config.device)
         self.corpus = load_corpus(config.data_root, config.val_fraction) if corpus is None else corpus
         root = stdlib_root() if config.data_root is None else config.data_root

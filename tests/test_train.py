@@ -318,6 +318,8 @@ def test_bad_run_inputs_raise_clear_errors(tmp_path, corpus_root, corpus):
     with pytest.raises(ValueError, match=r"resume: .* \(no trainer_state.pt\)"):
         Trainer(tiny_run(tmp_path, corpus_root, resume=tmp_path), corpus)
     train(tiny_run(tmp_path / "a", corpus_root, steps=2, warmup_steps=1), corpus)
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(step_000002\): continue it"):
+        Trainer(tiny_run(tmp_path / "a", corpus_root, steps=3, warmup_steps=1), corpus)  # a fresh run into it
     with pytest.raises(ValueError, match=r"other settings: lr=0\.003 \(now 0\.001\)"):
         Trainer(tiny_run(tmp_path / "b", corpus_root, steps=2, warmup_steps=1, lr=1e-3,
                          resume=tmp_path / "a" / "checkpoints" / "step_000002"), corpus)
