@@ -45,6 +45,11 @@ def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
     return (num_tokens, num_heads // 2, 2 * head_size) if differential else (num_tokens, num_heads, head_size)
 
 
+def default_scale(scale: float | None, head_size: int) -> float:
+    """``scale``, or flash-attn's default softmax scale ``head_size ** -0.5`` when ``None``."""
+    return head_size ** -0.5 if scale is None else scale
+
+
 def resolve_scalars(scale: float, softcap: float, scale_softcap: Tensor | None):
     """``(scale, softcap)`` as floats: the arguments, or the values ``scale_softcap`` carries."""
     return (scale, softcap) if scale_softcap is None else tuple(scale_softcap.tolist())
@@ -117,7 +122,7 @@ def _scalars(query: Tensor, scale: float | None, softcap: float) -> tuple[float,
     Its values are then checked when the graph runs (``torch._assert_async``: a
     ``RuntimeError`` on the CPU, a device-side assert on CUDA), never by a Python
     comparison, which would specialize the graph on the value."""
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, query.shape[-1])
     if torch.compiler.is_compiling():
         one = query.new_ones((), dtype=torch.float32)
         scalars = torch.stack((one * scale, one * softcap))

@@ -77,6 +77,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
+from .attention import default_scale
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton kernels run on CPU tensors (its interpreter): :func:`combine` takes the kernel there too."""
@@ -140,13 +141,12 @@ def _window(library: FlashLibrary, window_left: int, window_right: int) -> tuple
     return (window_left, window_right)
 
 
-def _call(library: FlashLibrary, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-          window_left, window_right, softcap) -> Tensor:
-    kwargs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=causal,
-                  window_size=_window(library, window_left, window_right), softcap=softcap)
-    if library.needs_max_seqlen:
-        kwargs.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    out = library.varlen(q, k, v, **kwargs)
+def _call(library: FlashLibrary, q, k, v, scale, causal, window_left, window_right, softcap, **layout) -> Tensor:
+    """``library.varlen(q, k, v, **layout)`` with our options mapped to its arguments (scale
+    ``None``: ``head_size ** -0.5``); its output without the lse. ``layout`` says where the
+    sequences are (``cu_seqlens_q``/``cu_seqlens_k``, or a page table)."""
+    out = library.varlen(q, k, v, softmax_scale=default_scale(scale, q.shape[-1]), causal=causal,
+                         window_size=_window(library, window_left, window_right), softcap=softcap, **layout)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -162,16 +162,18 @@ def run(library: FlashLibrary, formulation: str, q, k, v, cu_seqlens_q, cu_seqle
         window_left, window_right, softcap) -> Tensor:
     """The varlen op's result through ``library`` (see :func:`plan`): ``[T, Hq, D]``, or
     ``[T, Hq/2, 2D]`` for ``"differential"``, q's dtype."""
-    max_q = _max_seqlen(cu_seqlens_q, q.shape[0]) if library.needs_max_seqlen else None
-    max_k = _max_seqlen(cu_seqlens_k, k.shape[0]) if library.needs_max_seqlen else None
+    layout = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if library.needs_max_seqlen:
+        layout.update(max_seqlen_q=_max_seqlen(cu_seqlens_q, q.shape[0]),
+                      max_seqlen_k=_max_seqlen(cu_seqlens_k, k.shape[0]))
     options = (scale, causal, window_left, window_right, softcap)
     if formulation == "plain":
-        return _call(library, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+        return _call(library, q, k, v, *options, **layout)
     # [Tk, Hkv/2, 2D]: [v1 | v2] per KV pair, heads 2j and 2j+1 side by side: a view of v
     # (a copy only if v's heads are not D apart)
     values = v.reshape(v.shape[0], v.shape[1] // 2, 2 * v.shape[2])
-    out1 = _call(library, q[:, 0::2], k[:, 0::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
-    out2 = _call(library, q[:, 1::2], k[:, 1::2], values, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *options)
+    out1 = _call(library, q[:, 0::2], k[:, 0::2], values, *options, **layout)
+    out2 = _call(library, q[:, 1::2], k[:, 1::2], values, *options, **layout)
     return combine(out1, out2, lambda_full, q.dtype)
 
 
@@ -236,7 +238,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scal
     if formulation is None:
         return triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                              window_right, softcap, alibi_slopes, scale_softcap)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return run(find_library(), formulation, q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
                window_left, window_right, softcap)
 
@@ -258,8 +259,6 @@ def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_s
                    v_scale) -> FlashLibrary | None:
     """The library that runs this ``paged_attention`` call, or ``None`` (our kernel): shapes,
     dtypes and which options are given, never a tensor's values."""
-    if _DISABLED or not query.is_cuda:
-        return None
     # One query per sequence or fewer (T <= B: every decode step, padded CUDA-graph batches
     # included) stays on our kernel, which reads the cache 2-11% faster than flash-attn 4's
     # paged decode; more queries than sequences (T > B) means some prefill chunk.
@@ -271,10 +270,10 @@ def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_s
         return None
     if key_cache.shape[1] not in PAGED_BLOCK_SIZES:
         return None
-    library = find_library()
-    if library is None or not library.takes_page_table:
+    if _formulation(query, None, alibi_slopes, scale_softcap) != "plain":  # disabled, no library, not CUDA, ...
         return None
-    return library if plan(library, query, None, alibi_slopes, scale_softcap) == "plain" else None
+    library = find_library()
+    return library if library.takes_page_table else None
 
 
 def covers_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
@@ -296,10 +295,8 @@ def run_paged(library: FlashLibrary, query, key_cache, value_cache, cu_seqlens_q
     (``seqused_k``, no ``cu_seqlens_k``), causal masking bottom-right aligned on them as in
     our op. No host read: flash-attn 4 bounds the keys by ``block_table``'s width and the
     queries by ``T`` and reads the lengths on the device."""
-    out = library.varlen(query, key_cache, value_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None,
-                         seqused_k=seq_lens, page_table=block_table, softmax_scale=scale, causal=causal,
-                         window_size=_window(library, window_left, window_right), softcap=softcap)
-    return out[0] if isinstance(out, tuple) else out
+    return _call(library, query, key_cache, value_cache, scale, causal, window_left, window_right, softcap,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_k=seq_lens, page_table=block_table)
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full=None,
@@ -316,6 +313,5 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         return triton_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
                             causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale,
                             v_scale)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
     return run_paged(library, query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, causal,
                      window_left, window_right, softcap)

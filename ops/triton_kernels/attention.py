@@ -23,7 +23,7 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import Tensor
 
-from ..attention import output_shape
+from ..attention import default_scale, output_shape
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
@@ -251,7 +251,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if num_tokens == 0:
         return out
-    scale = head_size ** -0.5 if scale is None else scale
+    scale = default_scale(scale, head_size)
     # The kernels index metadata as dense vectors and block_table by its row stride: views
     # with other strides are copied (no-ops for the engine's own contiguous buffers).
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import resolve_scalars
+from ..attention import default_scale, resolve_scalars
 from ..gradients import varlen_attention_backward as reference_backward
 from .attention import visibility_bounds
 from .attention_kernel import LOG2E, _online_softmax, _tanh, _tile_rows
@@ -546,7 +546,7 @@ def varlen_attention_backward(
         for t in (dq, dk, dv):
             t.zero_()
         return dq, dk, dv, (q.new_empty(0) if lambda_full is None else torch.zeros_like(lambda_full))
-    scale = head_size ** -0.5 if scale is None else scale
+    scale = default_scale(scale, head_size)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
     alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import output_shape
+from ..attention import default_scale, output_shape
 from .attention_kernel import _tanh
 from .launch_utils import BoundedCache, CachedLauncher, device_guard, tracing_launches
 
@@ -501,7 +501,7 @@ def varlen_prefill(
     if use_tma is None:
         use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in (q, k, v))
                    and tma_ready(out, out.shape[-1]))
-    scale = head_size ** -0.5 if scale is None else scale
+    scale = default_scale(scale, head_size)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
     num_seqs = cu_seqlens_q.shape[0] - 1
