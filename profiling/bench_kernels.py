@@ -223,23 +223,16 @@ def flash_rows() -> list[ResultRow]:
     tokens (seeded), causal. Empty when ``flash_attn.cute`` is not importable."""
     from compiled_attn import ops
     from compiled_attn.ops import flash_backend
+    from compiled_attn.ops.triton_kernels.prefill_kernel import varlen_prefill
 
     library = flash_backend.find_library()
     if library is None or library.name != "flash-attn 4":
         print(f"flash rows need flash-attn 4 (flash_attn.cute); found {library and library.name}")
         return []
     fa4 = library.varlen
-    from compiled_attn.ops.triton_kernels.prefill_kernel import varlen_prefill
-    g = torch.Generator().manual_seed(0)
-    batches = {"B=8 S=2048": [2048] * 8,
-               "64 seqs 128-4096": torch.randint(128, 4097, (64,), generator=g).tolist()}
     rows = []
-    for case, lens in batches.items():
-        total = sum(lens)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        q = torch.randn(total, HQ, D, dtype=DTYPE, device="cuda")
-        k, v = (torch.randn(total, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
-        lam = torch.rand(HQ // 2, device="cuda")
+    for case, lens in _varlen_batches().items():
+        q, k, v, cu, lam = _varlen_inputs(lens)
 
         def flash(q, k, v):
             return fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0]
