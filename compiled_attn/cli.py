@@ -168,6 +168,7 @@ def generate(args, tokenizer) -> dict:
         raise ValueError(f"{' '.join(flags)} needs --profile DIR")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
+    tp = None
     if args.tensor_parallel_size > 1:
         if int(os.environ.get("WORLD_SIZE", 1)) != args.tensor_parallel_size:
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes: run "
@@ -175,11 +176,10 @@ def generate(args, tokenizer) -> dict:
         tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     if args.random_model:
         model = build_random_model(random_model_config(), seed=args.seed, dtype=dtype, device=args.device)
-        if args.tensor_parallel_size > 1:
+        if tp is not None:
             model = shard_model(model, tp)
     else:  # with tensor parallelism each rank reads only its slices of the checkpoint
-        model = load_diffllama(args.model or DEFAULT_MODEL_DIR, dtype=dtype, device=args.device,
-                               tp=tp if args.tensor_parallel_size > 1 else None)
+        model = load_diffllama(args.model or DEFAULT_MODEL_DIR, dtype=dtype, device=args.device, tp=tp)
     load_seconds = time.perf_counter() - start
     prompts = _read_prompts(args, tokenizer)
     if args.calculate_kv_scales and args.kv_cache_dtype == "auto":
