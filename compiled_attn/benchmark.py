@@ -16,13 +16,12 @@ runtimes over an fp8 KV cache (the floor then counts one byte per cached element
 With the first batch size also the time to first token (one prompt of ``prompt_len``: its
 prefill) of a fresh engine's first request and of a later one, and, where a flash-attn
 library is found (:mod:`compiled_attn.ops.flash_backend`), the same with the flash-attn
-backend off in the same process (``flash_backend.disabled()``: our Triton kernel) and with
-its two-call differential formulation forced on (:func:`flash_ttft_rows`).
+backend off in the same process (``flash_backend.disabled()``: our Triton kernel;
+:func:`flash_ttft_rows`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import tempfile
 import time
@@ -41,7 +40,7 @@ from .sampling import SamplingParams
 
 BENCH_CONFIG = DiffLlamaConfig(
     vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=16384,
     bos_token_id=None, eos_token_id=None,
 )
 """About 1.1 B parameters: hidden 2048, 16 layers, 32 heads (16 pairs) of 64, 8 KV heads."""
@@ -93,7 +92,8 @@ def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, 
     """Decode-step latency of our engine in ``mode`` (over a ``kv_cache_dtype`` cache); with
     ``profile_steps`` also the device-busy fraction of that many profiled decode steps."""
     block_size = 16
-    max_len = prompt_len + new_tokens + 1
+    profile_tokens = profile_steps + 2  # the profiled decode steps, the skipped prefill step, one more
+    max_len = prompt_len + max(new_tokens, profile_tokens) + 1
     blocks = batch * cdiv(max_len, block_size) + 1
     engine = Engine(model, max_model_len=max_len, block_size=block_size, num_blocks=blocks,
                     max_num_seqs=max_batch, kv_cache_dtype=kv_cache_dtype, **ENGINE_MODES[mode])
@@ -107,7 +107,7 @@ def time_engine(model, mode: str, batch: int, prompt_len: int, new_tokens: int, 
             profiler = StepProfiler(trace_dir, skip_first=1, active=profile_steps)  # decode steps only
             with profiler:
                 engine.generate(_prompts(batch, prompt_len, model.config.vocab_size, 2),
-                                SamplingParams(max_new_tokens=profile_steps + 2), on_step=profiler.step)
+                                SamplingParams(max_new_tokens=profile_tokens), on_step=profiler.step)
             summary = summarize_trace(profiler.trace_files()[-1])
         result["device_busy"] = summary.device_busy_us / summary.step_us
         result["kernels_us"] = [(name, us / summary.steps) for name, us in summary.kernels[:15]]
@@ -133,23 +133,11 @@ def time_first_request(model, prompt_len: int, kv_cache_dtype: str = "auto") -> 
     return result
 
 
-@contextlib.contextmanager
-def _flash_differential(enabled: bool):
-    """``flash_backend.FLASH_DIFFERENTIAL`` set to ``enabled`` within the block (read per call)."""
-    previous = flash_backend.FLASH_DIFFERENTIAL
-    flash_backend.FLASH_DIFFERENTIAL = enabled
-    try:
-        yield
-    finally:
-        flash_backend.FLASH_DIFFERENTIAL = previous
-
-
 def flash_ttft_rows(model, prompt_len: int, kv_cache_dtype: str, flash_on: dict, log=print,
                     timer=time_first_request) -> list[ResultRow]:
     """Prefill/TTFT with and without flash-attn, in this process: ``flash_on`` (a
-    :func:`time_first_request` result, the backend as configured) and, where its library can
-    take the model's head size, a fresh engine with the differential two-call formulation
-    forced on, each against a fresh engine with the backend off (:func:`flash_backend.disabled
+    :func:`time_first_request` result, the backend as configured) against a fresh engine
+    with the backend off (:func:`flash_backend.disabled
     <compiled_attn.ops.flash_backend.disabled>`: our Triton kernel), first and later request.
     ``timer(model, prompt_len, kv_cache_dtype)`` times one engine. Empty (said once through
     ``log``) without a flash-attn library, or over an fp8 KV cache (prefills then read the
@@ -166,21 +154,12 @@ def flash_ttft_rows(model, prompt_len: int, kv_cache_dtype: str, flash_on: dict,
     with flash_backend.disabled():
         off = timer(model, prompt_len, kv_cache_dtype)
     configured = "two calls" if flash_backend.FLASH_DIFFERENTIAL else "on our fused kernel"
-    variants = {f"{library.name} backend as configured (differential {configured})": flash_on}
-    if not flash_backend.FLASH_DIFFERENTIAL and 2 * model.config.head_dim <= library.max_value_head_size:
-        with _flash_differential(True):
-            variants[f"{library.name}, differential as two calls (FLASH_DIFFERENTIAL forced on)"] = timer(
-                model, prompt_len, kv_cache_dtype)
+    name = f"{library.name} backend (differential {configured})"
     log(f"flash-attn off (our Triton kernel): TTFT first {off['first_s'] * 1e3:.1f} ms, "
         f"later {off['later_s'] * 1e3:.1f} ms")
-    rows = []
-    for name, result in variants.items():
-        log(f"{name}: TTFT first {result['first_s'] * 1e3:.1f} ms, later {result['later_s'] * 1e3:.1f} ms")
-        for request in ("first", "later"):
-            rows.append(ResultRow(f"TTFT, prompt {prompt_len}, {request} request: {name}", "ms",
-                                  result[f"{request}_s"] * 1e3, "flash-attn off (our Triton) ms",
-                                  off[f"{request}_s"] * 1e3))
-    return rows
+    log(f"{name}: TTFT first {flash_on['first_s'] * 1e3:.1f} ms, later {flash_on['later_s'] * 1e3:.1f} ms")
+    return [ResultRow(f"TTFT, prompt {prompt_len}, {request} request: {name}", "ms", flash_on[f"{request}_s"] * 1e3,
+                      "flash-attn off (our Triton) ms", off[f"{request}_s"] * 1e3) for request in ("first", "later")]
 
 
 def time_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:

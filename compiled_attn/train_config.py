@@ -92,7 +92,7 @@ class TrainConfig:
     out_dir: Path = Path("runs/train")
     model: DiffLlamaConfig = field(default_factory=shipped_config)
     differential: bool = True
-    steps: int = 3000
+    steps: int = 1500
     batch_rows: int = 64
     seq_len: int = 1024
     lr: float = 2e-3

@@ -188,6 +188,9 @@ class Trainer:
             return TrainResult([], self.start_step, list(self.val_history), finished_summary, True)
         if c.resume is not None:
             self.log(f"resuming from {c.resume} at step {self.start_step}")
+        data = self._data_summary()
+        self.log(f"data: {data['train_files']} files, {data['train_tokens']:,} training tokens in {data['root']}; "
+                 f"{c.steps} steps read them {data['epochs']:.1f} times")
         c.out_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(c.out_dir / "log.jsonl", "a", encoding="utf-8")
         tokens_per_step = c.batch_rows * c.seq_len
@@ -263,6 +266,13 @@ class Trainer:
         summary = json.loads(path.read_text(encoding="utf-8"))
         return summary if summary.get("finished") and summary.get("steps_done") == self.config.steps else None
 
+    def _data_summary(self) -> dict:
+        """Where the training bytes came from and how often the whole run reads them."""
+        c, train = self.config, self.corpus.train
+        return {"root": str(self.corpus.root), "train_files": len(train.files), "train_tokens": train.num_tokens,
+                "val_tokens": self.corpus.val.num_tokens,
+                "epochs": c.steps * c.batch_rows * c.seq_len / max(train.num_tokens, 1)}
+
     def _summary(self, losses, windows: list[tuple[int, float]], mean_keys, export: Path | None) -> dict:
         """The ``summary.json`` object; its ``throughput`` as
         :func:`~compiled_attn.train_throughput.throughput`."""
@@ -272,6 +282,7 @@ class Trainer:
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "attention": "differential" if c.differential else "plain",
+            "data": self._data_summary(),
             "parameters": parameter_counts(self.model),
             "steps": c.steps, "start_step": self.start_step, "steps_done": self.start_step + len(losses),
             "finished": export is not None, "tokens_per_step": c.batch_rows * c.seq_len,

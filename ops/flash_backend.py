@@ -34,15 +34,15 @@ temporaries). flash-attn 4's public ``flash_attn_varlen_func`` takes no ``out=``
 each call allocates its own output.
 
 Which one runs is :data:`FLASH_DIFFERENTIAL`, from ``profiling/bench_kernels.py --parts
-flash`` (``profiling/results/kernels.md``): on the H200 (bf16, causal, Hq 32, Hkv 8, D 128,
-2026-11-30) plain prefill took 0.537 ms through the backend against 0.812 ms on our kernel
-(B=8, S=2048) and 6.32 ms against 9.11 ms (64 sequences of 128-4096 tokens), flash-attn 4
-alone 0.517 ms and 6.36 ms; differential prefill took 1.885 ms as two flash calls inside the
-op against 1.673 ms on our fused kernel and 1.568 ms for flash-attn 4's two calls with the
-concatenation and an eager combine, all of that before the ``[v1 | v2]`` view and the one-pass combine
-(which remove a concatenation and four of five combine kernels; not yet measured, so the
-switch stays off). :func:`disabled` turns the backend off for a block of code (the
-benchmark's TTFT rows with and without flash-attn).
+flash`` (``profiling/results/kernels.md``; on the H200, bf16, causal, Hq 32, Hkv 8, D 128,
+2026-11-30, back-to-back calls): differential prefill took 1.064 ms as two flash calls inside
+the op against 1.670 ms on our fused kernel at B=8, S=2048 (12.1 ms against 18.7 ms for 64
+sequences of 128-4096 tokens), flash-attn 4 alone 1.571 ms with a concatenated ``[v1 | v2]``
+and an eager combine, 1.741 ms as the seed's four calls, and 0.979 ms for its two calls with
+no combine at all; plain prefill 0.557 ms through the op against 0.541 ms for flash-attn 4
+alone and 0.813 ms on our kernel. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on
+our kernel (flash-attn 4's host time per call). :func:`disabled` turns the backend off
+for a block of code (the benchmark's TTFT rows with and without flash-attn).
 
 *Paged prefill.* flash-attn 4's ``flash_attn_varlen_func`` reads our paged cache as it is:
 ``page_table=block_table`` (int32 ``[B, max_blocks]``), ``seqused_k=seq_lens`` and
@@ -54,7 +54,8 @@ them (query ``i`` sees keys up to ``seq_lens[b] - q_len + i``: its ``seqlen_k`` 
 can capture either path): plain attention over a float16/bfloat16 cache of a block size in
 :data:`PAGED_BLOCK_SIZES`, head sizes as :func:`plan`, no ALiBi, no ``scale_softcap``, and
 only calls that carry a prefill chunk, ``T > B`` (more queries than sequences: chunked
-prefill, prefix-cache hits, mixed batches, multi-token decode). A decode step (``T == B``,
+prefill, prefix-cache hits, mixed batches, multi-token decode) of at least
+:data:`MIN_QUERY_TOKENS` query tokens. A decode step (``T == B``,
 one query per sequence, padded CUDA-graph batches included) stays on our kernel, which
 reads the cache 2-11% faster than flash-attn 4's paged decode; differential attention
 (our fused kernel reads each K/V block once) and fp8 caches (``k_scale``/``v_scale``) stay
@@ -62,8 +63,8 @@ on ours too. Block sizes are 16 and 32 (:data:`PAGED_BLOCK_SIZES`: flash-attn 4 
 block as long as its key tile whole, and NaN past ``seq_lens`` in a last block would reach
 the output). flash-attn 2 and 3 take no page table in their varlen function
 (``FlashLibrary.takes_page_table``): paged calls stay on ours with them. Paged prefill
-through flash-attn 4 is not yet timed against our kernel (``bench_kernels.py --parts
-flash`` has its rows: 8 chunks of 512 tokens after 4096 cached keys).
+through flash-attn 4 took 0.545 ms against 1.170 ms on our kernel (8 chunks of 512 tokens
+after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms).
 """
 
 from __future__ import annotations
@@ -82,9 +83,17 @@ from .attention import default_scale
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton kernels run on CPU tensors (its interpreter): :func:`combine` takes the kernel there too."""
 
-FLASH_DIFFERENTIAL = False
+FLASH_DIFFERENTIAL = True
 """Whether covered differential prefills run as two flash calls (else our fused kernel):
-off, as measured (see the module docstring)."""
+on, as measured (see the module docstring)."""
+
+MIN_QUERY_TOKENS = 4096
+"""Calls with fewer query tokens (``q.shape[0]``) stay on our kernel. flash-attn 4 spends
+about 0.35 ms of host time per call (its CuTe DSL launch path), which a model's forward hides
+behind the other layers' work only when there are enough tokens: on the H200 (2026-11-30)
+the 1.1 B model's 2048-token prefill took 32.8 ms with the backend against 17.6 ms without
+(44 flash calls), while op-level calls of 4096 (paged, after 4096 cached keys) and 16384
+query tokens ran 2.1x and 1.5x faster through it. Sizes in between are not yet measured."""
 
 
 class FlashLibrary(NamedTuple):
@@ -212,11 +221,12 @@ def disabled() -> Iterator[None]:
 
 def _formulation(q, lambda_full, alibi_slopes, scale_softcap) -> str | None:
     """The :func:`plan` of the installed library for a call on ``q``, or ``None`` (inside
-    :func:`disabled`, no library, not CUDA, no tokens, not covered)."""
+    :func:`disabled`, no library, not CUDA, fewer than :data:`MIN_QUERY_TOKENS` query tokens
+    (never none), not covered)."""
     if _DISABLED:
         return None
     library = find_library()
-    if library is None or not q.is_cuda or q.shape[0] == 0:
+    if library is None or not q.is_cuda or q.shape[0] < max(MIN_QUERY_TOKENS, 1):
         return None
     return plan(library, q, lambda_full, alibi_slopes, scale_softcap)
 

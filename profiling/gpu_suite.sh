@@ -17,7 +17,8 @@
 #   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh:
 #                                        # call 1 `bash .whl/fa4a/fa4_wheels.sh stage`, carry .whl/fa4a; this
 #                                        # call right after, carry .whl/fa4b): backend tests, bench_kernels flash
-#                                        # (FLASH_BENCH=0: tests only)
+#                                        # and the 1.1 B model's TTFT with and without it (FLASH_TESTS,
+#                                        # FLASH_BENCH, FLASH_TTFT=0 leave a part out)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
 #                                        # (warm-up seconds, Triton JIT compiles inside the run)
 #   bash profiling/gpu_suite.sh report   # compiled-attn generate --device cuda --profile (8 prompts, graph
@@ -133,11 +134,20 @@ flash)
     mkdir -p "$out/results"
     # shellcheck disable=SC1091
     source "$repo/.whl/fa4b/fa4_wheels.sh" install || exit 1
-    run pytest_flash 240 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_flash_backend.py" \
-        "$repo/tests/test_flash_attn_interface.py" "$repo/tests/test_gpu_flash.py"
-    [ "${FLASH_BENCH:-1}" = 1 ] && run bench_flash 300 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts flash
+    # (tests/test_flash_backend.py runs stand-in modules on the CPU: CI has it)
+    if [ "${FLASH_TESTS:-1}" = 1 ]; then
+        run pytest_gpu_flash 240 python3 -m pytest -p no:cacheprovider -q -rs --durations 8 "$repo/tests/test_gpu_flash.py"
+        run pytest_flash_api 120 python3 -m pytest -p no:cacheprovider -q -rs "$repo/tests/test_flash_attn_interface.py"
+    fi
+    [ "${FLASH_BENCH:-1}" = 1 ] && run bench_flash 240 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts flash
+    # The 1.1 B model's TTFT with and without flash-attn (an 8k-token prompt: shorter ones stay on our
+    # kernel, flash_backend.MIN_QUERY_TOKENS) and its graph-replay decode rows.
+    [ "${FLASH_TTFT:-1}" = 1 ] && run ttft_flash 150 python3 -m compiled_attn.cli bench --batch-sizes 1 --modes graphs \
+        --prompt-len 8192 --new-tokens 16 --results-dir "$out/results"
     echo "== summary"
-    echo "pytest_flash: $(tail -n 1 "$out/pytest_flash.log")"
+    for f in "$out"/pytest_*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+    grep -h -A9 "slowest" "$out/pytest_gpu_flash.log" 2>/dev/null
+    grep -h "TTFT\|FAILED" "$out/ttft_flash.log" 2>/dev/null | head
     cat "$out/results/kernels.md" 2>/dev/null
     ;;
 compile)

@@ -76,7 +76,9 @@ def stand_in(version: int, calls: list):
 
 @pytest.fixture
 def flash(monkeypatch):
-    """``flash(version)`` installs a stand-in flash-attn ``version`` (4, 3 or 2); returns its call log."""
+    """``flash(version)`` installs a stand-in flash-attn ``version`` (4, 3 or 2); returns its call log.
+    The backend then takes calls of any size (``MIN_QUERY_TOKENS`` 1: these batches are small)."""
+    monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", 1)
 
     def install(version: int) -> list:
         calls = []
@@ -131,9 +133,10 @@ def test_plan_takes_what_the_library_covers(flash, monkeypatch):
     flash(4)
     fa4 = flash_backend.find_library()
     assert flash_backend.plan(fa4, q, None, None, None) == "plain"
-    assert flash_backend.plan(fa4, q, lam, None, None) is None  # measured slower than our fused kernel
+    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"  # measured faster than our fused kernel
+    monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", False)
+    assert flash_backend.plan(fa4, q, lam, None, None) is None
     monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", True)
-    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"
     assert flash_backend.plan(fa4, batch(g, head_size=256)[0], lam, None, None) is None  # value head 512
     assert flash_backend.plan(fa4, q, None, torch.ones(8), None) is None  # ALiBi stays ours
     assert flash_backend.plan(fa4, q, None, None, torch.ones(2)) is None  # traced scalars stay ours
@@ -280,6 +283,21 @@ def test_disabled_routes_covered_calls_to_our_kernel(flash, monkeypatch):
     assert flash_backend.covers(*args)
 
 
+def test_calls_under_min_query_tokens_stay_on_our_kernel(flash, monkeypatch):
+    """Shapes alone decide: 10 query tokens against a threshold of 10 and of 11."""
+    calls = flash(4)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, cu_q, cu_k = batch(g)
+    q = q.as_subclass(CudaLooking)
+    args = (q, k, v, cu_q, cu_k, None, None, True, -1, -1, 0.0, None, None)
+    monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", q.shape[0])
+    assert flash_backend.covers(*args)
+    monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", q.shape[0] + 1)
+    assert not flash_backend.covers(*args)
+    assert flash_backend._formulation(q, torch.tensor(0.3), None, None) is None
+    assert calls == []
+
+
 def test_bench_ttft_rows_with_and_without_flash(flash, monkeypatch):
     from compiled_attn import benchmark
 
@@ -309,23 +327,12 @@ def test_bench_ttft_rows_with_and_without_flash(flash, monkeypatch):
     assert timed == [] and len(logged) == 1 and "fp8" in logged[0]
 
     rows = benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer)
-    # backend off: neither plain nor differential covered; forced on: both; afterwards as configured
-    assert timed == [(False, False), (True, True)]
-    assert flash_backend.FLASH_DIFFERENTIAL is False and flash_backend._DISABLED == 0
+    # the fresh engine runs with the backend off: neither plain nor differential covered
+    assert timed == [(False, False)] and flash_backend._DISABLED == 0
+    assert flash_backend.covers(q, k, v, cu_q, cu_k, None, None, True, -1, -1, 0.0, None, None)  # on again
     assert [(r.case, r.value, r.anchor_value) for r in rows] == [
-        ("TTFT, prompt 512, first request: flash-attn 4 backend as configured (differential on our fused kernel)",
-         4.0, 2.0),
-        ("TTFT, prompt 512, later request: flash-attn 4 backend as configured (differential on our fused kernel)",
-         2.0, 1.0),
-        ("TTFT, prompt 512, first request: flash-attn 4, differential as two calls (FLASH_DIFFERENTIAL forced on)",
-         4.0, 2.0),
-        ("TTFT, prompt 512, later request: flash-attn 4, differential as two calls (FLASH_DIFFERENTIAL forced on)",
-         2.0, 1.0)]
-
-    flash(2)  # no 2D value head: no forced-differential variant
-    timed.clear()
-    rows = benchmark.flash_ttft_rows(model, 512, "auto", flash_on, logged.append, timer)
-    assert timed == [(False, False)] and len(rows) == 2
+        ("TTFT, prompt 512, first request: flash-attn 4 backend (differential two calls)", 4.0, 2.0),
+        ("TTFT, prompt 512, later request: flash-attn 4 backend (differential two calls)", 2.0, 1.0)]
 
 
 # --- paged prefill through flash-attn 4's page table -------------------------------------------

@@ -121,6 +121,9 @@ def test_tiny_training_loss_falls(tmp_path, corpus_root, corpus):
     assert (s1, s2) == (15, 30) and last < first < 8.0  # bits per byte, uniform = 8
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["val_bits_per_byte"] == last and summary["steps"] == 30
+    data = summary["data"]
+    assert (data["train_files"], data["train_tokens"]) == (len(corpus.train.files), corpus.train.num_tokens)
+    assert data["epochs"] == pytest.approx(30 * config.batch_rows * config.seq_len / corpus.train.num_tokens)
     # The exported model is the last checkpoint's float32 weights rounded to bf16.
     exported = load_diffllama(tmp_path / "model").state_dict()
     final = load_diffllama(tmp_path / "checkpoints" / "step_000030").state_dict()

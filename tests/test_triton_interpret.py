@@ -32,6 +32,7 @@ from paged_batches import (  # noqa: E402
 from compiled_attn.ops import triton_kernels  # noqa: E402
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
+from compiled_attn.ops.triton_kernels.merge_kernel import merge_block_v  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
     MAX_SPLITS,
     choose_num_splits,
@@ -150,13 +151,18 @@ def test_paged_options(name):
     run_paged(batch, **options)
 
 
-@pytest.mark.parametrize("num_splits", [2, 7])
+@pytest.mark.parametrize("num_splits", [2, 7, 40])
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 def test_paged_split_kv(num_splits, differential):
     """Flash-decoding forced on: partials and log-sum-exp merged; 7 splits leave some
-    splits without keys; the window leaves early splits of long rows empty too."""
+    splits without keys; the window leaves early splits of long rows empty too. 40 splits
+    (64 padded) at head size 24 merge in value-column blocks of 32
+    (``merge_block_v``), the last one part masked (value size 24 or 48)."""
+    head_size = 24 if num_splits == 40 else 32
+    if num_splits == 40:
+        assert merge_block_v(64, 64) == 32
     batch = make_paged_batch([(70, 1), (5, 1), (40, 3), pad(1), (33, 0), (0, 2)],
-                             num_heads=8, num_kv_heads=4, head_size=32, seed=num_splits,
+                             num_heads=8, num_kv_heads=4, head_size=head_size, seed=num_splits,
                              unused_fill="nan")
     lam = make_lambda(8, per_pair=True) if differential else None
     run_paged(batch, lam, num_splits=num_splits)

@@ -23,12 +23,13 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import Tensor
 
+from ..arith import cdiv
 from ..attention import default_scale, output_shape
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
                            next_power_of_2)
-from .merge_kernel import merge_splits_kernel
+from .merge_kernel import merge_block_v, merge_splits_kernel
 from .prefill_kernel import covers as prefill_covers
 from .prefill_kernel import varlen_prefill
 
@@ -224,14 +225,15 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None, HEAD_SIZE=head_size,
         HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // key.shape[-2], GROUP_PAD=plan.group_pad,
         BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n)
+    block_v = merge_block_v(next_power_of_2(value_size), next_power_of_2(num_splits))
     merge_constexprs = dict(
-        VALUE_SIZE=value_size, VALUE_SIZE_PAD=next_power_of_2(value_size), SPLITS_PAD=next_power_of_2(num_splits),
+        VALUE_SIZE=value_size, BLOCK_V=block_v, SPLITS_PAD=next_power_of_2(num_splits),
         DIFFERENTIAL=differential, LAMBDA_PER_PAIR=lambda_per_pair)
     return LaunchSpec(
         grid=(num_tokens // tiles.block_q(plan.group_pad) + num_seqs, plan.num_kv_units, num_splits),
         int_args=(*query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides),
         constexprs=constexprs, options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        split_shape=split_shape, merge_grid=(num_tokens, out.shape[1], 1),
+        split_shape=split_shape, merge_grid=(num_tokens, out.shape[1], cdiv(value_size, block_v)),
         merge_args=(num_splits, *target_strides[:3], *lse_strides[:2], out.stride(0), out.stride(1)),
         merge_constexprs=merge_constexprs)
 
