@@ -14,9 +14,12 @@
 #                                        # kernel, each in its own process, and a 60-step training run
 #   bash profiling/gpu_suite.sh compile  # our kernels inside Inductor's code (tests/test_gpu_compile.py)
 #                                        # and the model decode step per runtime (bench_host.py --model)
-#   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh:
-#                                        # call 1 `bash .whl/fa4a/fa4_wheels.sh stage`, carry .whl/fa4a; this
-#                                        # call right after, carry .whl/fa4b): backend tests, bench_kernels flash
+#   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh;
+#                                        # the tracked tree, 16 MiB with the default model, leaves 48 MiB a
+#                                        # call, so after `download` move .whl/fa4a/*.whl and a copy of the
+#                                        # script into .whl/fa4c; back to back: `bash .whl/fa4a/fa4_wheels.sh
+#                                        # stage` carry .whl/fa4a, the same with fa4c, then this call, carry
+#                                        # .whl/fa4b): backend tests, bench_kernels flash
 #                                        # and the 1.1 B model's TTFT with and without it (FLASH_TESTS,
 #                                        # FLASH_BENCH, FLASH_TTFT=0 leave a part out)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile

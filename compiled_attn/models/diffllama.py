@@ -83,8 +83,10 @@ class DecoderLayer(nn.Module):
 
 
 class DiffLlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm; ``[T]`` ids -> ``[T, hidden_size]``
-    (``final_norm=False`` leaves the norm to the caller, which fuses it into the LM head)."""
+    """Embedding, decoder layers and final norm, under Hugging Face's parameter names
+    (``model.embed_tokens``, ``model.layers.N``, ``model.norm``). It holds them; the forward
+    is :meth:`DiffLlamaForCausalLM.forward` (one hop less from a step to the kernels), which
+    fuses the final norm into the LM head."""
 
     def __init__(self, config: DiffLlamaConfig, differential: bool = True) -> None:
         super().__init__()
@@ -95,18 +97,6 @@ class DiffLlamaModel(nn.Module):
         # Index into the KV cache list of the cache each layer writes or reads.
         self.cache_index = [owners.index(config.kv_sharing.get(i, i)) for i in range(config.num_hidden_layers)]
         self.num_cache_layers = len(owners)
-
-    def forward(self, md: AttentionMetadata, kv_caches: KVCaches | None,
-                final_norm: bool = True) -> torch.Tensor:
-        if kv_caches is None and self.num_cache_layers < len(self.layers):
-            raise ValueError(
-                "kv_caches=None is not supported with kv_sharing: a sharing layer reads its "
-                "target layer's paged cache; pass kv_caches"
-            )
-        x = self.embed_tokens(md.input_ids)
-        for layer, index in zip(self.layers, self.cache_index):
-            x = layer(x, md, None if kv_caches is None else kv_caches[index])
-        return self.norm(x) if final_norm else x
 
 
 class DiffLlamaForCausalLM(nn.Module):
@@ -159,10 +149,18 @@ class DiffLlamaForCausalLM(nn.Module):
         Raises:
             ValueError: ``kv_caches=None`` with ``kv_sharing`` layers.
         """
-        hidden = self.model(md, kv_caches, final_norm=False)
+        model = self.model
+        if kv_caches is None and model.num_cache_layers < len(model.layers):
+            raise ValueError(
+                "kv_caches=None is not supported with kv_sharing: a sharing layer reads its "
+                "target layer's paged cache; pass kv_caches"
+            )
+        hidden = model.embed_tokens(md.input_ids)
+        for layer, index in zip(model.layers, model.cache_index):
+            hidden = layer(hidden, md, None if kv_caches is None else kv_caches[index])
         if not all_logits:
             hidden = hidden[md.last_token_indices()]  # the norm is per row: select first
-        logits = linear(hidden, self.lm_head, self.model.norm)
+        logits = linear(hidden, self.lm_head, model.norm)
         if self.tp is not None:
             logits = all_gather(logits, self.tp)  # [rows, vocab / tp] -> [rows, vocab]
         return logits.float()
