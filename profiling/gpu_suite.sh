@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU work of the project, in stages that each fit one call of the device tool:
+# The GPU work of the project, in stages that each fit one call of the device tool (several
+# named in one call run in order, e.g. `gpu_suite.sh report serving`: one machine start):
 #   bash profiling/gpu_suite.sh kernels  # kernel tests (pytest -m gpu, interpreter tests compiled),
 #                                        # a memcheck run of decode cases, profiling/bench_kernels.py
 #   bash profiling/gpu_suite.sh engine   # engine tests (pytest -m gpu), CLI on cuda, a split-count
@@ -30,13 +31,17 @@
 #   bash profiling/gpu_suite.sh train    # compiled-attn train of the shipped model into /root/runs/default
 #                                        # (TRAIN_SECONDS, default 450; the same call again within the
 #                                        # machine's warm time resumes); model/, summary and log to $OUT
+#   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
+#                                        # prefill; TTFT/TPOT percentiles) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
 #                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
 # *.jsonl into profiling/results/). compiled_attn is imported from a scratch folder that maps
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh kernels|engine|linear|decode [B ...]|tests|newkernels|compile|flash|host|report|train|compare}
+usage="usage: gpu_suite.sh STAGE [STAGE ...] (kernels engine linear tests newkernels compile flash host report train
+compare serving), or gpu_suite.sh decode [B ...]"
+[ $# -gt 0 ] || { echo "$usage"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
@@ -51,6 +56,8 @@ run() {  # run NAME SECONDS COMMAND...: append to $out/NAME.log, remember failur
     echo "== $name $*" | tee -a "$out/$name.log"
     timeout "$seconds" "$@" >> "$out/$name.log" 2>&1 || { status=1; echo "FAILED ($name), tail:"; tail -n 12 "$out/$name.log"; }
 }
+run_stage() {  # run_stage STAGE [ARGS...]
+local stage=$1
 case $stage in
 kernels)
     mkdir -p "$out/results"
@@ -202,8 +209,21 @@ host)
     cat "$out/results/host.md"
     rm -rf "$out/trace"
     ;;
+serving)
+    mkdir -p "$out/results"
+    run bench_serving 480 python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results"
+    run bench_fp8 100 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts fp8
+    echo "== summary"
+    cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null
+    ;;
 *)
-    echo "unknown stage $stage"; exit 2
+    echo "unknown stage $stage; $usage"; status=2
     ;;
 esac
+}
+if [ "$1" = decode ]; then
+    run_stage "$@"
+else
+    for stage in "$@"; do run_stage "$stage"; done
+fi
 exit $status
