@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch._dynamo.utils import counters
 from torch.fx.experimental import _config as fx_config
 
 from .metadata import TENSOR_FIELDS, AttentionMetadata
@@ -51,7 +49,12 @@ def _variant(args) -> tuple:
                  for a in args if isinstance(a, (AttentionMetadata, bool)))
 
 
+# Dynamo is imported where it is used (a compiled call): loading it costs about 1 s, which a
+# program that imports compiled_attn and runs eagerly should not pay.
+
 def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
     return sum(counters["graph_break"].values())
 
 
@@ -140,6 +143,8 @@ class CompiledFunction:
     @property
     def cache_entries(self) -> int:
         """Graphs in this function's Dynamo cache now (``recompile_limit`` caps them)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
         return len(_debug_get_cache_entry_list(self.entry.__code__))
 
     def __call__(self, *args, **kwargs):

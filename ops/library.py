@@ -63,9 +63,11 @@ def register_traced_kernel(op: torch._ops.OpOverload, launcher: Callable,
     Inductor compiles. Otherwise, when ``opaque(*args)`` (the CUDA kernel would not launch
     our Triton kernels), and under ``torch.export`` (which keeps custom ops whole), the op
     stays opaque."""
-    from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     def decompose(mode, func, types, args, kwargs):
+        # imported here, while tracing: at import time it would load torch._dynamo (about 1 s)
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
         if (custom_triton_ops_decomposition_disabled() or not _static_cuda(args) or opaque(*args)
                 or any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types)):
             return mode.__torch_dispatch__(func, types, args, kwargs)
