@@ -160,8 +160,9 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train from ``start_step`` to ``steps`` (or until ``max_seconds``), validating and
-        checkpointing as set, then export ``model/`` (when finished) and write
-        ``summary.json``; returns the :class:`TrainResult`.
+        checkpointing as set, then export ``model/`` (when finished, with ``training.json``:
+        the summary but its ``export`` entry) and write ``summary.json``; returns the
+        :class:`TrainResult`.
 
         In bf16 on CUDA, float32 matmuls may use TF32 during the run
         (``torch.set_float32_matmul_precision("high")``, restored afterwards): the attention
@@ -255,6 +256,9 @@ class Trainer:
         export = self.save_model(c.out_dir / "model", EXPORT_DTYPES[c.export_dtype]) if finished else None
         summary = self._summary(run_losses, windows, causal_pairs / max(pair_tokens, 1), export)
         (c.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        if export is not None:  # how the model was trained, beside its weights (a model card)
+            card = {key: value for key, value in summary.items() if key != "export"}
+            (export / "training.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
         return TrainResult(run_losses, self.start_step, list(self.val_history), summary, finished)
 
     def _finished_summary(self) -> dict | None:

@@ -30,7 +30,8 @@
 #                                        # report and the timeline (docs/decode_timeline.png) to $OUT
 #   bash profiling/gpu_suite.sh train    # compiled-attn train of the shipped model into /root/runs/default
 #                                        # (TRAIN_SECONDS, default 450; the same call again within the
-#                                        # machine's warm time resumes); model/, summary and log to $OUT
+#                                        # machine's warm time resumes); model/ (with training.json), summary
+#                                        # and log to $OUT; later stages of the call use the new model
 #   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
 #                                        # prefill; TTFT/TPOT percentiles) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
@@ -173,7 +174,7 @@ report)
     run cli_profile 240 python3 -m compiled_attn.cli generate --device cuda --json --max-new-tokens 64 \
         "${prompts[@]}" --profile /tmp/report_trace --profile-shapes --profile-stack
     run profile_report 120 python3 -m compiled_attn.cli profile-report /tmp/report_trace --out "$out/report.html"
-    run timeline 200 python3 "$repo/profiling/trace_decode.py" --device cuda --model "$repo/compiled_attn/default_model" \
+    run timeline 200 python3 "$repo/profiling/trace_decode.py" --device cuda --model "$site/compiled_attn/default_model" \
         --batch 8 --out /tmp/timeline_trace --timeline "$out/decode_timeline.png"
     echo "== summary"
     python3 -c "import json; r=json.loads(open('$out/cli_profile.log').read().splitlines()[-1]); print('shares', r['profile']['phase_shares'], 'graphs', r['cuda_graphs'])" || true
@@ -185,7 +186,13 @@ train)
     run train $(( ${TRAIN_SECONDS:-450} + 120 )) python3 -m compiled_attn.cli train --out /root/runs/default --device cuda \
         --no-progress --resume latest --max-seconds "${TRAIN_SECONDS:-450}"
     cp /root/runs/default/summary.json /root/runs/default/log.jsonl "$out/"
-    cp /root/runs/default/model/* "$out/model/" 2>/dev/null || echo "no model/ yet: the run stopped early"
+    # A finished run's model (with its training.json) comes back and, for the stages after this
+    # one in the same call (e.g. `train report`), replaces the default model of the scratch copy.
+    if cp /root/runs/default/model/* "$out/model/" 2>/dev/null; then
+        cp /root/runs/default/model/* "$site/compiled_attn/default_model/"
+    else
+        echo "no model/ yet: the run stopped early"
+    fi
     echo "== summary"
     tail -n 8 "$out/train.log"
     ;;

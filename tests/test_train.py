@@ -121,6 +121,8 @@ def test_tiny_training_loss_falls(tmp_path, corpus_root, corpus):
     assert (s1, s2) == (15, 30) and last < first < 8.0  # bits per byte, uniform = 8
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["val_bits_per_byte"] == last and summary["steps"] == 30
+    card = json.loads((tmp_path / "model" / "training.json").read_text())
+    assert card == {key: value for key, value in summary.items() if key != "export"} and "export" in summary
     data = summary["data"]
     assert (data["train_files"], data["train_tokens"]) == (len(corpus.train.files), corpus.train.num_tokens)
     assert data["epochs"] == pytest.approx(30 * config.batch_rows * config.seq_len / corpus.train.num_tokens)
