@@ -32,6 +32,8 @@
 #                                        # (TRAIN_SECONDS, default 450; the same call again within the
 #                                        # machine's warm time resumes); model/ (with training.json), summary
 #                                        # and log to $OUT; later stages of the call use the new model
+#   bash profiling/gpu_suite.sh prefill  # bench_kernels prefill: our kernels against SDPA/cuDNN, the Hopper
+#                                        # prefill kernel's tile sweep (issue 12)
 #   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
 #                                        # prefill; TTFT/TPOT percentiles) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
@@ -41,7 +43,7 @@
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
 usage="usage: gpu_suite.sh STAGE [STAGE ...] (kernels engine linear tests newkernels compile flash host report train
-compare serving), or gpu_suite.sh decode [B ...]"
+compare prefill serving), or gpu_suite.sh decode [B ...]"
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
@@ -215,6 +217,12 @@ host)
     python3 -c "import json; r=json.loads(open('$out/cli_profile.log').read().splitlines()[-1]); t=r['timings']; print('generate cuda --profile: warmup_s', round(t['warmup_seconds'], 1), 'jit_compiles', t['jit_compiles'], 'shares', r['profile']['phase_shares'], r['compile'])" || true
     cat "$out/results/host.md"
     rm -rf "$out/trace"
+    ;;
+prefill)
+    mkdir -p "$out/results"
+    run bench_prefill 400 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts prefill
+    echo "== summary"
+    cat "$out/results/kernels.md" 2>/dev/null
     ;;
 serving)
     mkdir -p "$out/results"
