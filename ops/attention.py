@@ -15,8 +15,9 @@ dequantization scales of a float8_e4m3fn KV cache (vLLM's fp8 KV cache).
 replace the two float arguments (a softcap of 0 still turns capping off). Under
 ``torch.compile`` a float argument that changes between calls would specialize the graph
 on each value (Dynamo cannot keep a float symbolic once it reaches an op's ``float``), so
-the public functions pass their floats this way while tracing; eager calls, and layers
-whose options are constants, pass floats.
+the public functions pass a given ``scale`` or ``softcap`` this way while tracing; eager
+calls, calls that leave both at their defaults, and layers whose options are constants,
+pass floats.
 
 The public functions fill in defaults (``scale = head_size ** -0.5``) and, called eagerly,
 check their arguments before any kernel runs (types, shapes and dtypes on the host; metadata
@@ -115,15 +116,26 @@ torch.library.register_autograd(PAGED_ATTENTION, _paged_backward, setup_context=
 # --- public API ----------------------------------------------------------------------------
 
 
-def _scalars(query: Tensor, scale: float | None, softcap: float) -> tuple[float, float, Tensor | None]:
+def _options(scale: float | None, window_size: Window, softcap: float | None, causal: bool):
+    """``(window_left, window_right, softcap, given)``: the options' types checked
+    (``check_call_options``), ``softcap`` ``None`` as 0, and whether the caller gave
+    ``scale`` or ``softcap`` (see :func:`_scalars`)."""
+    window_left, window_right = check_call_options(scale, window_size, softcap, causal)
+    return window_left, window_right, 0.0 if softcap is None else softcap, scale is not None or softcap is not None
+
+
+def _scalars(query: Tensor, scale: float | None, softcap: float, given: bool) -> tuple[float, float, Tensor | None]:
     """The op's ``scale``, ``softcap`` and ``scale_softcap`` arguments: the floats (default
-    scale ``head_size ** -0.5``; values checked) when eager, or, while tracing, the
-    ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic.
-    Its values are then checked when the graph runs (``torch._assert_async``: a
-    ``RuntimeError`` on the CPU, a device-side assert on CUDA), never by a Python
-    comparison, which would specialize the graph on the value."""
+    scale ``head_size ** -0.5``; values checked) when eager or when the caller left both at
+    their defaults (not ``given``), or, for values given while tracing, the
+    ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic
+    (Dynamo shows a symbolic float to Python as a plain ``float``: only the defaults are
+    known constants). Its values are then checked when the graph runs
+    (``torch._assert_async``: a ``RuntimeError`` on the CPU, a device-side assert on CUDA),
+    never by a Python comparison, which would specialize the graph on the value. (Floats
+    also let the flash-attn backend take a call: it needs them on the host.)"""
     scale = default_scale(scale, query.shape[-1])
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and given:
         one = query.new_ones((), dtype=torch.float32)
         scalars = torch.stack((one * scale, one * softcap))
         torch._assert_async(torch.isfinite(scalars).all() & (scalars[0] > 0) & (scalars[1] >= 0),
@@ -137,7 +149,7 @@ def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
     seq_lens: Tensor, block_table: Tensor, lambda_full: Tensor | None = None, *,
     scale: float | None = None, causal: bool = True, window_size: Window = (-1, -1),
-    softcap: float = 0.0, alibi_slopes: Tensor | None = None, k_scale: Tensor | None = None,
+    softcap: float | None = None, alibi_slopes: Tensor | None = None, k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
     """Attention of packed queries against a paged KV cache; plain or differential.
@@ -168,7 +180,11 @@ def paged_attention(
         scale: softmax scale, default ``head_size ** -0.5``.
         causal: bottom-right aligned causal mask (False for cross-attention).
         window_size: ``(left, right)`` sliding window in tokens, ``-1`` unbounded.
-        softcap: ``> 0`` applies ``softcap * tanh(score / softcap)``.
+        softcap: ``> 0`` applies ``softcap * tanh(score / softcap)``; ``None`` or 0: none.
+            Under ``torch.compile``, a given ``scale`` or ``softcap`` reaches the op as a
+            tensor (it may change between calls without a recompile), which keeps the call
+            on our kernels; at their defaults a call can run through flash-attn
+            (:mod:`compiled_attn.ops.flash_backend`).
         alibi_slopes: ``[num_heads]`` float32 or ``None``.
         k_scale, v_scale: float8_e4m3fn caches only: float32 tensors of shape ``[]`` or
             ``[1]``, finite and > 0, or ``None`` (1). The cache holds ``x / scale`` in fp8
@@ -192,11 +208,11 @@ def paged_attention(
             malformed ``cu_seqlens_q``, ``scale`` not finite and > 0, ``softcap`` < 0,
             ``k_scale``/``v_scale`` not finite and > 0.
     """
-    window_left, window_right = check_call_options(scale, window_size, softcap, causal)
+    window_left, window_right, softcap, given = _options(scale, window_size, softcap, causal)
     if not torch.compiler.is_compiling():
         check_paged_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
                          window_left, window_right, softcap, alibi_slopes, None, k_scale, v_scale)
-    scale, softcap, scale_softcap = _scalars(query, scale, softcap)
+    scale, softcap, scale_softcap = _scalars(query, scale, softcap, given)
     if should_check(query):
         check_paged_values(query, key_cache, cu_seqlens_q, seq_lens, block_table)
         check_kv_scale_values(k_scale, v_scale)
@@ -208,7 +224,7 @@ def paged_attention(
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     lambda_full: Tensor | None = None, *, scale: float | None = None, causal: bool = True,
-    window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    window_size: Window = (-1, -1), softcap: float | None = None, alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Attention over packed contiguous q/k/v, as ``flash_attn_varlen_func``.
 
@@ -232,11 +248,11 @@ def varlen_attention(
         TypeError, ValueError: as :func:`paged_attention` (malformed ``cu_seqlens_q`` or
         ``cu_seqlens_k`` when eager).
     """
-    window_left, window_right = check_call_options(scale, window_size, softcap, causal)
+    window_left, window_right, softcap, given = _options(scale, window_size, softcap, causal)
     if not torch.compiler.is_compiling():
         check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, window_left, window_right,
                           softcap, alibi_slopes)
-    scale, softcap, scale_softcap = _scalars(q, scale, softcap)
+    scale, softcap, scale_softcap = _scalars(q, scale, softcap, given)
     if should_check(q):
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k)
     return VARLEN_ATTENTION(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,

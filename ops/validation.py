@@ -82,13 +82,13 @@ def check_call_options(scale, window_size, softcap, causal=True) -> tuple[int, i
     ``(left, right)``. Reads no float value, so it runs while tracing too.
 
     Raises:
-        TypeError: ``scale`` not a real number or ``None``, ``softcap`` not a real number,
+        TypeError: ``scale`` or ``softcap`` not a real number or ``None``,
             ``window_size`` not a pair of ints, ``causal`` not a bool.
     """
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {_shown(scale)}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {_shown(softcap)}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise TypeError(f"softcap must be a float or None, got {_shown(softcap)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {_shown(causal)}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2

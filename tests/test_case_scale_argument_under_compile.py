@@ -93,3 +93,27 @@ def test_bad_traced_scale_or_softcap_raises_when_the_graph_runs():
     for scale, softcap in ((float("nan"), 1.0), (-1.0, 1.0), (0.25, -1.0), (0.25, float("inf"))):
         with pytest.raises(RuntimeError, match="scale must be finite and > 0 and softcap finite and >= 0"):
             f(q, k, v, scale, softcap)
+
+
+def _op_scalars(fn, *args) -> list:
+    """The ``(scale, softcap, scale_softcap)`` arguments of each ``varlen_attention`` call in
+    the graph Dynamo captures of ``fn(*args)`` (``scale_softcap``: ``None`` or ``"tensor"``)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.compiled_attn.varlen_attention.default:
+                scale, softcap, scale_softcap = node.args[6], node.args[10], node.args[12]
+                calls.append((scale, softcap, None if scale_softcap is None else "tensor"))
+        return gm
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return calls
+
+
+def test_default_scale_and_softcap_reach_the_op_as_floats_under_compile():
+    """Left at their defaults, scale and softcap are constants of the trace: the op gets
+    floats (what the flash-attn backend needs), not the ``scale_softcap`` tensor."""
+    assert _op_scalars(lambda q, k, v: ops.varlen_attention(q, k, v, cu, cu), q, k, v) == [(0.25, 0.0, None)]
+    given = _op_scalars(lambda q, k, v: ops.varlen_attention(q, k, v, cu, cu, scale=0.25), q, k, v)
+    assert given == [(1.0, 0.0, "tensor")]
