@@ -126,8 +126,8 @@ def _options(scale: float | None, window_size: Window, softcap: float | None, ca
 
 def _scalars(query: Tensor, scale: float | None, softcap: float, given: bool) -> tuple[float, float, Tensor | None]:
     """The op's ``scale``, ``softcap`` and ``scale_softcap`` arguments: the floats (default
-    scale ``head_size ** -0.5``; values checked) when eager or when the caller left both at
-    their defaults (not ``given``), or, for values given while tracing, the
+    scale ``head_size ** -0.5``; values checked when eager) when eager or when the caller
+    left both at their defaults (not ``given``), or, for values given while tracing, the
     ``scale_softcap`` tensor, so that a float that changes between calls stays symbolic
     (Dynamo shows a symbolic float to Python as a plain ``float``: only the defaults are
     known constants). Its values are then checked when the graph runs
@@ -135,7 +135,11 @@ def _scalars(query: Tensor, scale: float | None, softcap: float, given: bool) ->
     never by a Python comparison, which would specialize the graph on the value. (Floats
     also let the flash-attn backend take a call: it needs them on the host.)"""
     scale = default_scale(scale, query.shape[-1])
-    if torch.compiler.is_compiling() and given:
+    if torch.compiler.is_compiling() and not given:
+        # Defaults are valid by construction; no Python check while tracing (a symbolic head
+        # size makes the default scale a symbolic float, which the op's float then specializes).
+        return scale, softcap, None
+    if torch.compiler.is_compiling():
         one = query.new_ones((), dtype=torch.float32)
         scalars = torch.stack((one * scale, one * softcap))
         torch._assert_async(torch.isfinite(scalars).all() & (scalars[0] > 0) & (scalars[1] >= 0),

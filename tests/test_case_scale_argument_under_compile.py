@@ -117,3 +117,19 @@ def test_default_scale_and_softcap_reach_the_op_as_floats_under_compile():
     assert _op_scalars(lambda q, k, v: ops.varlen_attention(q, k, v, cu, cu), q, k, v) == [(0.25, 0.0, None)]
     given = _op_scalars(lambda q, k, v: ops.varlen_attention(q, k, v, cu, cu, scale=0.25), q, k, v)
     assert given == [(1.0, 0.0, "tensor")]
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_default_scale_of_a_changing_head_size_under_compile(dynamic):
+    """The head size changes between calls: Dynamo makes it symbolic, and with it the default
+    scale ``head_size ** -0.5``, which must not reach a Python check while tracing."""
+    lam = make_lambda(4, per_pair=True)
+    varlen = torch.compile(lambda q, k, v: ops.varlen_attention(q, k, v, cu, cu, lam), fullgraph=True,
+                           dynamic=dynamic)
+    g = torch.Generator().manual_seed(4)
+    for head_size in (16, 32, 72):
+        qh, kh, vh = (torch.randn(7, heads, head_size, generator=g) for heads in (4, 2, 2))
+        torch.testing.assert_close(varlen(qh, kh, vh), ops.varlen_attention(qh, kh, vh, cu, cu, lam))
+        batch = make_paged_batch([(0, 5), (19, 2)], num_heads=4, num_kv_heads=2, head_size=head_size, seed=head_size)
+        paged = torch.compile(lambda *args: ops.paged_attention(*args), fullgraph=True, dynamic=dynamic)
+        torch.testing.assert_close(paged(*batch.attention_args()), ops.paged_attention(*batch.attention_args()))
