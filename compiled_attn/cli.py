@@ -39,7 +39,7 @@ from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
-from .train_cli import add_train_arguments, run_train_command
+from .train_cli import add_train_arguments, bounded, run_train_command
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def push(self, item):")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,18 +54,8 @@ def _prompt_ids(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}")
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
-def _seed(value: str) -> int:
-    number = int(value)
-    if not 0 <= number < 1 << 63:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 2**63), got {number}")
-    return number
+_positive_int = bounded(int, lambda number: number >= 1, "an int >= 1")
+_seed = bounded(int, lambda number: 0 <= number < 1 << 63, "an int in [0, 2**63)")
 
 
 def build_parser() -> argparse.ArgumentParser:

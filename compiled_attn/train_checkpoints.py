@@ -34,13 +34,25 @@ def read_checkpoint(path: Path, config: TrainConfig) -> dict:
     except Exception as err:  # torch.load raises several types for a bad file
         raise ValueError(f"resume: {state_path} is not readable: {err}") from None
     ours, theirs = settings_of(config), state["settings"]
-    differ = [name for name in TRAJECTORY_FIELDS if ours[name] != theirs.get(name)]
+    differ = _differences({n: ours[n] for n in TRAJECTORY_FIELDS}, {n: theirs.get(n) for n in TRAJECTORY_FIELDS})
     if differ:
-        detail = ", ".join(f"{n}={theirs.get(n)!r} (now {ours[n]!r})" for n in differ)
-        raise ValueError(f"resume: checkpoint {path} was made with other settings: {detail}")
+        raise ValueError(f"resume: checkpoint {path} was made with other settings: {', '.join(differ)}")
     if not 0 < state["step"] <= config.steps:
         raise ValueError(f"resume: checkpoint step {state['step']} is outside (0, steps={config.steps}]")
     return state
+
+
+def _differences(ours: dict, theirs: dict, prefix: str = "") -> list[str]:
+    """``name=theirs (now ours)`` for each differing entry, nested dicts (the model config)
+    entry by entry (``model.hidden_size=64 (now 128)``)."""
+    out = []
+    for name in ours:
+        mine, other = ours[name], theirs.get(name)
+        if isinstance(mine, dict) and isinstance(other, dict):
+            out += _differences(mine, other, f"{prefix}{name}.")
+        elif mine != other:
+            out.append(f"{prefix}{name}={other!r} (now {mine!r})")
+    return out
 
 
 def load_weights(path: Path, config: TrainConfig) -> DiffLlamaForCausalLM:

@@ -11,20 +11,25 @@ from .train_config import EXPORT_DTYPES, PRECISIONS, TrainConfig, shipped_config
 from .train_loop import train
 
 
-def _positive(kind):
+def bounded(kind, holds, allowed: str):
+    """An argparse ``type``: the value parsed as ``kind`` (``int`` or ``float``) for which
+    ``holds(number)``; otherwise an error naming ``allowed`` and what was given."""
     def parse(value: str):
-        number = kind(value)
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value!r}") from None
+        if not holds(number):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return number
     return parse
 
 
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
+def _positive(kind):
+    return bounded(kind, lambda number: number > 0, f"{'an int' if kind is int else 'a number'} > 0")
+
+
+_non_negative_int = bounded(int, lambda number: number >= 0, "an int >= 0")
 
 
 TINY_RUN = {"steps": 200, "batch_rows": 8, "seq_len": 128, "eval_every": 100, "val_tokens": 16384,

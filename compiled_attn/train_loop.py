@@ -191,7 +191,7 @@ class Trainer:
             self.log(f"resuming from {c.resume} at step {self.start_step}")
         data = self._data_summary()
         self.log(f"data: {data['train_files']} files, {data['train_tokens']:,} training tokens in {data['root']}; "
-                 f"{c.steps} steps read them {data['epochs']:.1f} times")
+                 f"{c.steps} steps read them {data['epochs']:.3g} times")
         c.out_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(c.out_dir / "log.jsonl", "a", encoding="utf-8")
         tokens_per_step = c.batch_rows * c.seq_len

@@ -285,13 +285,14 @@ def test_console_script_subprocess():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--block-size", "0"], "argument --block-size: must be >= 1"),
-        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
-        (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1"),
-        (["--num-blocks", "0"], "argument --num-blocks: must be >= 1"),
-        (["--profile-steps", "0"], "argument --profile-steps: must be >= 1"),
-        (["--seed", "-1"], r"argument --seed: must lie in \[0, 2\*\*63\)"),
-        (["--seed", str(1 << 63)], "argument --seed: must lie in"),
+        (["--block-size", "0"], "argument --block-size: must be an int >= 1, got 0"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+        (["--max-new-tokens", "abc"], "argument --max-new-tokens: must be an int >= 1, got 'abc'"),
+        (["--max-batch-size", "0"], "argument --max-batch-size: must be an int >= 1"),
+        (["--num-blocks", "0"], "argument --num-blocks: must be an int >= 1"),
+        (["--profile-steps", "0"], "argument --profile-steps: must be an int >= 1"),
+        (["--seed", "-1"], r"argument --seed: must be an int in \[0, 2\*\*63\), got -1"),
+        (["--seed", str(1 << 63)], "argument --seed: must be an int in"),
         (["--prompt-ids", "1,,2"], "argument --prompt-ids: --prompt-ids takes comma-separated integers"),
     ],
 )

@@ -328,6 +328,11 @@ def test_bad_run_inputs_raise_clear_errors(tmp_path, corpus_root, corpus):
     with pytest.raises(ValueError, match=r"other settings: lr=0\.003 \(now 0\.001\)"):
         Trainer(tiny_run(tmp_path / "b", corpus_root, steps=2, warmup_steps=1, lr=1e-3,
                          resume=tmp_path / "a" / "checkpoints" / "step_000002"), corpus)
+    wider = dataclasses.replace(tiny_config(), hidden_size=2 * tiny_config().hidden_size)
+    with pytest.raises(ValueError, match=rf"other settings: model\.hidden_size={tiny_config().hidden_size} "
+                                         rf"\(now {wider.hidden_size}\)$"):  # the one differing field, not the dicts
+        Trainer(tiny_run(tmp_path / "b", corpus_root, steps=2, warmup_steps=1, model=wider,
+                         resume=tmp_path / "a" / "checkpoints" / "step_000002"), corpus)
     with pytest.raises(ValueError, match="val_fraction"):
         is_validation_file("a.py", 1.5)
     with pytest.raises(FileNotFoundError, match="not a directory"):
