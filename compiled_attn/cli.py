@@ -61,6 +61,7 @@ _seed = bounded(int, lambda number: 0 <= number < 1 << 63, "an int in [0, 2**63)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compiled-attn", description="Differential-attention models, compiled whole, over a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.command_parsers = commands.choices  # name -> parser, for errors in a command's own usage
     gen = commands.add_parser("generate", help="generate text with a differential-attention model")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path,
@@ -260,8 +261,18 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
               f"captured in {g['capture_seconds']:.1f} s, {g['graph_memory_bytes'] / 2**20:.0f} MiB")
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; an unknown option is an error of its command's parser (its usage
+    printed, not the top level's)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "bench":
         try:
             table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir,

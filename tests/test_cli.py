@@ -325,3 +325,11 @@ def test_importing_the_library_and_cli_leaves_dynamo_unloaded():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_an_unknown_option_is_an_error_of_its_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--no-compile", "--bogus", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: compiled-attn generate") and "unrecognized arguments: --bogus 1" in err
