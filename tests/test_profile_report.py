@@ -133,7 +133,7 @@ def test_bad_report_inputs_are_clean_errors(tmp_path, capsys):
         timeline_svg([])
     with pytest.raises(SystemExit):
         main(["profile-report", str(good), "--top", "0"])
-    assert "argument --top: must be >= 1" in capsys.readouterr().err
+    assert "argument --top: must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_profile_flags_need_profile(capsys):
