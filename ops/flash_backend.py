@@ -89,11 +89,12 @@ on, as measured (see the module docstring)."""
 
 MIN_QUERY_TOKENS = 4096
 """Calls with fewer query tokens (``q.shape[0]``) stay on our kernel. flash-attn 4 spends
-about 0.35 ms of host time per call (its CuTe DSL launch path), which a model's forward hides
-behind the other layers' work only when there are enough tokens: on the H200 (2026-11-30)
-the 1.1 B model's 2048-token prefill took 32.8 ms with the backend against 17.6 ms without
-(44 flash calls), while op-level calls of 4096 (paged, after 4096 cached keys) and 16384
-query tokens ran 2.1x and 1.5x faster through it. Sizes in between are not yet measured."""
+host time on each call (its CuTe DSL launch path), which a model's forward hides behind the
+other layers' work only when there are enough tokens: on the H200 (2026-11-30) the 1.1 B
+model's 2048-token prefill took 32.8 ms with the backend against 17.6 ms without (32 flash
+calls, two per differential layer: about 0.5 ms each; not profiled), while op-level calls
+of 4096 (paged, after 4096 cached keys) and 16384 query tokens ran 2.1x and 1.5x faster
+through it. Sizes in between are not yet measured."""
 
 
 class FlashLibrary(NamedTuple):
