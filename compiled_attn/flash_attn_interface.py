@@ -73,10 +73,12 @@ def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, alibi_slope
 
 
 def _options(q: Tensor, softmax_scale, causal, window_size, softcap, alibi_slopes) -> dict:
-    """Keyword arguments of our ops for flash-attn's options."""
+    """Keyword arguments of our ops for flash-attn's options. Its defaults (no scale, softcap
+    0) stay defaults (``None``), so that a compiled call can reach the flash-attn backend
+    (``ops.varlen_attention``'s ``softcap``)."""
     left, right = window_size
-    return dict(scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale, causal=bool(causal),
-                window_size=(int(left), int(right)), softcap=float(softcap), alibi_slopes=alibi_slopes)
+    return dict(scale=softmax_scale, causal=bool(causal), window_size=(int(left), int(right)),
+                softcap=None if softcap == 0 else float(softcap), alibi_slopes=alibi_slopes)
 
 
 def _run(fn, *args, **kwargs) -> Tensor:
@@ -93,8 +95,8 @@ def _uniform_cu_seqlens(batch: int, seqlen: int, device) -> Tensor:
     return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
 
 
-def _dense_lse(q: Tensor, k: Tensor, key_start: Tensor, key_end: Tensor, scale: float, causal: bool,
-               window_size, softcap: float, alibi_slopes: Tensor | None) -> Tensor:
+def _dense_lse(q: Tensor, k: Tensor, key_start: Tensor, key_end: Tensor, scale: float | None, causal: bool,
+               window_size, softcap: float | None, alibi_slopes: Tensor | None) -> Tensor:
     """flash-attn's ``softmax_lse`` ``[B, H, Sq]`` (float32, natural log, ``+inf`` for a row
     that sees no key) of ``q`` ``[B, Sq, H, D]`` against rows of keys ``k`` ``[B, Sk, Hkv, D]``
     of which ``key_start[b] <= j < key_end[b]`` exist; query ``i`` sits at key index
@@ -102,8 +104,8 @@ def _dense_lse(q: Tensor, k: Tensor, key_start: Tensor, key_end: Tensor, scale: 
     batch, seqlen_q, num_heads, _ = q.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     keys = k.to(compute).repeat_interleave(num_heads // k.shape[2], dim=2)
-    scores = torch.einsum("bihd,bjhd->bhij", q.to(compute), keys) * scale
-    if softcap > 0:
+    scores = torch.einsum("bihd,bjhd->bhij", q.to(compute), keys) * ops.attention.default_scale(scale, q.shape[-1])
+    if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     j = torch.arange(k.shape[1], device=q.device)
     pos = key_end.view(batch, 1) - seqlen_q + torch.arange(seqlen_q, device=q.device)  # [B, Sq]

@@ -318,3 +318,25 @@ def test_empty_queries_give_an_empty_output():
     g = torch.Generator().manual_seed(12)
     q, k = rand((2, 0, H, D), g, "cpu"), rand((2, 5, HKV, D), g, "cpu")
     assert flash_attn_func(q, k, k).shape == (2, 0, H, D)
+
+
+def test_compiled_calls_at_flash_attn_defaults_give_our_op_floats():
+    """At flash-attn's defaults (no ``softmax_scale``, ``softcap=0.0``) the varlen op gets
+    the scale and softcap as floats, which the flash-attn backend can take; given values go
+    as the ``scale_softcap`` tensor (no recompile when they change)."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (randn_nonzero((10, heads, 16), torch.float32, g) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(node.args[12] is None for node in gm.graph.nodes
+                    if node.target is torch.ops.compiled_attn.varlen_attention.default)
+        return gm
+
+    for kwargs, floats in ((dict(), True), (dict(softcap=0.0), True), (dict(softmax_scale=0.3), False),
+                           (dict(softcap=2.0), False)):
+        seen.clear()
+        torch.compile(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, **kwargs),
+                      backend=backend, fullgraph=True)(q, k, v)
+        assert seen == [floats], kwargs
