@@ -84,6 +84,28 @@ def test_op_through_flash_captures_in_a_cuda_graph():
     assert not torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_compiled_public_op_at_default_options_runs_flash_attn(differential, monkeypatch):
+    """``torch.compile`` of a user function calling ``ops.varlen_attention`` with the default
+    scale and softcap: the op gets floats, stays opaque, and its CUDA kernel calls flash-attn
+    4 (counted), with the eager result."""
+    q, k, v, cu = batch()
+    lam = torch.rand(8, device="cuda") if differential else None
+    library = flash_backend.find_library()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return library.varlen(*args, **kwargs)
+
+    monkeypatch.setattr(flash_backend, "find_library", lambda: library._replace(varlen=counted))
+    eager = ops.varlen_attention(q, k, v, cu, cu, lam)
+    calls.clear()
+    compiled = torch.compile(lambda q: ops.varlen_attention(q, k, v, cu, cu, lam) * 1.0, fullgraph=True)
+    torch.testing.assert_close(compiled(q), eager, atol=0, rtol=0)
+    assert len(calls) == (2 if differential else 1)
+
+
 # --- paged prefill through flash-attn 4's page table -------------------------------------------
 
 # fresh prefill, decode, chunked prefill (q_len < seq_len: bottom-right alignment), padded graph
