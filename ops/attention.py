@@ -46,6 +46,22 @@ def output_shape(query: Tensor, differential: bool) -> tuple[int, int, int]:
     return (num_tokens, num_heads // 2, 2 * head_size) if differential else (num_tokens, num_heads, head_size)
 
 
+def output_buffer(query: Tensor, differential: bool, out: Tensor | None) -> Tensor:
+    """``out``, checked to be an :func:`output_shape` tensor of query's dtype with a
+    contiguous last dim, or a new one when ``None`` (the Triton launchers' ``out=``).
+
+    Raises:
+        ValueError: ``out`` of another shape or dtype, or a strided last dim.
+    """
+    shape = output_shape(query, differential)
+    if out is None:
+        return query.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {query.dtype} with a contiguous last dim, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
 def default_scale(scale: float | None, head_size: int) -> float:
     """``scale``, or flash-attn's default softmax scale ``head_size ** -0.5`` when ``None``."""
     return head_size ** -0.5 if scale is None else scale

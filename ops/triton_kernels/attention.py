@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..arith import cdiv
-from ..attention import default_scale, output_shape
+from ..attention import default_scale, output_buffer
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
@@ -245,12 +245,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``.
     ``k_scale``/``v_scale``: dequantization scales of an fp8 cache, or ``None``."""
     num_tokens, _, head_size = query.shape
-    out_shape = output_shape(query, lambda_full is not None)
-    if out is None:
-        out = query.new_empty(out_shape)
-    elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {out_shape} {query.dtype} with a contiguous last dim, "
-                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = output_buffer(query, lambda_full is not None, out)
     if num_tokens == 0:
         return out
     scale = default_scale(scale, head_size)

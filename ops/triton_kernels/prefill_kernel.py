@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import default_scale, output_shape
+from ..attention import default_scale, output_buffer
 from .attention_kernel import _tanh
 from .launch_utils import BoundedCache, CachedLauncher, device_guard, tracing_launches
 
@@ -486,12 +486,7 @@ def varlen_prefill(
     differential = lambda_full is not None
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
-    out_shape = output_shape(q, differential)
-    if out is None:
-        out = q.new_empty(out_shape)
-    elif tuple(out.shape) != out_shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {out_shape} {q.dtype} with a contiguous last dim, "
-                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = output_buffer(q, differential, out)
     if num_tokens == 0:
         return out
     if head_size & (head_size - 1) or head_size < 16:
