@@ -22,6 +22,7 @@ trampoline into ``fn`` as usual, but caches, limits and keys its automatic-dynam
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -49,13 +50,19 @@ def _variant(args) -> tuple:
                  for a in args if isinstance(a, (AttentionMetadata, bool)))
 
 
-# Dynamo is imported where it is used (a compiled call): loading it costs about 1 s, which a
-# program that imports compiled_attn and runs eagerly should not pay.
-
-def _graph_breaks() -> int:
+@functools.cache
+def _dynamo():
+    """``(counters, _debug_get_cache_entry_list)`` of Dynamo, imported on the first compiled
+    call (once): loading Dynamo costs about 1 s, which a program that imports compiled_attn
+    and runs eagerly should not pay."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    return sum(counters["graph_break"].values())
+    return counters, _debug_get_cache_entry_list
+
+
+def _graph_breaks() -> int:
+    return sum(_dynamo()[0]["graph_break"].values())
 
 
 _entry_ids = itertools.count()
@@ -143,9 +150,7 @@ class CompiledFunction:
     @property
     def cache_entries(self) -> int:
         """Graphs in this function's Dynamo cache now (``recompile_limit`` caps them)."""
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(self.entry.__code__))
+        return len(_dynamo()[1](self.entry.__code__))
 
     def __call__(self, *args, **kwargs):
         mark_batch_dynamic(*args, *kwargs.values())
