@@ -32,7 +32,8 @@ from paged_batches import alibi_slopes, make_lambda, make_paged_batch, pad, rand
 
 import compiled_attn.ops as ops  # noqa: E402
 from compiled_attn.ops import reference, triton_kernels  # noqa: E402
-from compiled_attn.ops.triton_kernels.attention import launch_plan, output_shape  # noqa: E402
+from compiled_attn.ops.attention import output_shape  # noqa: E402
+from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS = 32, 8
 MIXED = [(0, 257), (1500, 64), (1023, 1), (8191, 1), (32767, 1), (4000, 4), pad(1), (100, 0)]
