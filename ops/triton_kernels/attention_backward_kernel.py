@@ -166,24 +166,6 @@ def _query_tiles(k_first, q_len, kv_len, min_dist, max_dist, BLOCK_Q: tl.constex
 
 
 # Arguments whose values change with the batch are not specialized (one variant per plan).
-@triton.jit
-def _tile_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK: tl.constexpr):
-    """The sequence ``seq`` with ``start(seq) <= tile < start(seq + 1)``, ``start(b) =
-    cu_seqlens[b] // BLOCK + b`` (each sequence's tiles, one spare): a binary search over
-    ``cu_seqlens``; ``num_seqs`` for the tiles past the last sequence. (The forward kernels
-    write it inline: they are traced into Inductor's code, whose mutation analysis would count
-    a pointer passed to a helper as written; these backward kernels stay opaque.)"""
-    seq: tl.int32 = 0
-    right = num_seqs
-    while seq < right:
-        mid = (seq + right + 1) // 2
-        if tl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= tile:
-            seq = mid
-        else:
-            right = mid - 1
-    return seq
-
-
 @triton.jit(do_not_specialize=["num_seqs", "total_q", "min_dist", "max_dist"])
 def attention_backward_dq_kernel(
     dq_ptr, lse_ptr, delta_ptr, grad_ptr, q_ptr, k_ptr, v_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
@@ -219,7 +201,17 @@ def attention_backward_dq_kernel(
     q_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
 
-    seq = _tile_sequence(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q)
+    # The sequence with start(seq) <= q_tile < start(seq + 1), start(b) = cu_seqlens_q[b] // BLOCK_Q + b,
+    # seq == num_seqs for the tokens past the last sequence. Inline, as in the forward kernel
+    # (Inductor's mutation analysis would count a pointer passed to a helper as written).
+    seq: tl.int32 = 0
+    right = num_seqs
+    while seq < right:
+        mid = (seq + right + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            seq = mid
+        else:
+            right = mid - 1
     real_seq = seq < num_seqs
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.where(real_seq, tl.load(cu_seqlens_q_ptr + tl.minimum(seq + 1, num_seqs)), total_q) - q_start
@@ -381,7 +373,15 @@ def attention_backward_dkdv_kernel(
     k_tile = tl.program_id(0)
     kv_unit = tl.program_id(1)
 
-    seq = _tile_sequence(cu_seqlens_k_ptr, k_tile, num_seqs, BLOCK_N)
+    # The sequence of this key tile (see the dq kernel), over cu_seqlens_k.
+    seq: tl.int32 = 0
+    right = num_seqs
+    while seq < right:
+        mid = (seq + right + 1) // 2
+        if tl.load(cu_seqlens_k_ptr + mid) // BLOCK_N + mid <= k_tile:
+            seq = mid
+        else:
+            right = mid - 1
     real_seq = seq < num_seqs
     kv_start = tl.load(cu_seqlens_k_ptr + seq)
     kv_len = tl.where(real_seq, tl.load(cu_seqlens_k_ptr + tl.minimum(seq + 1, num_seqs)), total_k) - kv_start
