@@ -14,6 +14,7 @@ CUDA graph captures them. A :class:`TensorParallel` with ``world_size == 1`` nev
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -111,12 +112,24 @@ def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tens
     ``[..., world_size * n, ...]``); ``x`` itself when ``world_size == 1``."""
     if tp.world_size == 1:
         return x
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), tp.group_name))
+    # Gathered along dim 0 (rank order), then concatenated here: for any other dim funcol does
+    # that through torch._utils._maybe_view_chunk_cat, which Dynamo of torch 2.11 refuses to trace
+    # (a graph break under fullgraph; seen on the H200 pair, 2026-11-30). A flatten of moved dims
+    # instead makes Dynamo guard the row count (a recompile per batch size).
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, tp.group_name))
+    # [world * rows, ...] -> [world, rows, ...] -> [..., world * n, ...]
+    return torch.cat(gathered.view(tp.world_size, *x.shape).unbind(0), dim=dim)
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the process group (if any) and reset :func:`get_tp` to a single process."""
+    """Leave the process group (if any) and reset :func:`get_tp` to a single process.
+
+    Drop every engine first (``del engine``): NCCL's ``destroy_process_group`` waits forever
+    while a CUDA graph that captured its collectives is alive (pytorch/pytorch#115388; seen on
+    the H200 pair, 2026-11-30: the TP=2 CLI printed its tokens, then hung). Graphs left only
+    in reference cycles are collected here before the group goes."""
     global _TP
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
     _TP = TensorParallel()

@@ -68,7 +68,11 @@ def serve(engine: Engine, arrivals) -> tuple[list[dict], float, int]:
     records = [{"prompt": prompt, "ttft": stamps[0] - arrival,
                 "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None}
                for arrival, prompt, _, stamps in live]
-    return records, time.perf_counter() - start, sum(len(stamps) for *_, stamps in live)
+    seconds, tokens = time.perf_counter() - start, sum(len(stamps) for *_, stamps in live)
+    ttft = sorted(r["ttft"] for r in records)
+    print(f"served {len(records)} requests in {seconds:.1f} s, {tokens} tokens; TTFT median "
+          f"{ttft[len(ttft) // 2] * 1e3:.1f} ms", flush=True)  # progress, should a later run not finish
+    return records, seconds, tokens
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -72,6 +72,7 @@ def main() -> None:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+    del engine  # its CUDA graphs hold NCCL work: destroy_process_group hangs while they live
     destroy_tensor_parallel()
 
 

@@ -36,6 +36,8 @@
 #                                        # prefill kernel's tile sweep (issue 12)
 #   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
 #                                        # prefill; TTFT/TPOT percentiles) and bench_kernels fp8 (fp8 KV cache)
+#   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
+#                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
 #                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
@@ -43,7 +45,7 @@
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
 usage="usage: gpu_suite.sh STAGE [STAGE ...] (kernels engine linear tests newkernels compile flash host report train
-compare prefill serving), or gpu_suite.sh decode [B ...]"
+compare prefill serving tp), or gpu_suite.sh decode [B ...]"
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
@@ -226,10 +228,32 @@ prefill)
     ;;
 serving)
     mkdir -p "$out/results"
-    run bench_serving 480 python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results"
+    run bench_serving "${SERVING_SECONDS:-480}" python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results"
     run bench_fp8 100 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts fp8
     echo "== summary"
     cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null
+    ;;
+tp)  # on nvidia-h200-x2 (kind): NVLink multicast stays off (the device's KINDS.md)
+    mkdir -p "$out/results"
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    prompts=(); for i in 1 2 3 4 5 6 7 8; do prompts+=(--prompt "def function_$i(x):"); done
+    # greedy tokens of the embedded model in float32, TP=1 against TP=2
+    run tp_generate_1 200 python3 -m compiled_attn.cli generate --device cuda --dtype float32 --json \
+        --max-new-tokens 64 "${prompts[@]}"
+    run tp_generate_2 240 python3 -m torch.distributed.run --nproc-per-node 2 -m compiled_attn.cli generate \
+        --device cuda --dtype float32 --json --max-new-tokens 64 --tensor-parallel-size 2 "${prompts[@]}"
+    python3 - "$out/tp_generate_1.log" "$out/tp_generate_2.log" <<'PY' | tee "$out/tp_tokens.txt"
+import json, sys
+ids = [[c["generated_ids"] for c in json.loads([l for l in open(p) if l.startswith("{")][-1])["completions"]]
+       for p in sys.argv[1:]]
+print("TP=2 greedy tokens equal TP=1:", ids[0] == ids[1], "over", sum(map(len, ids[0])), "tokens")
+PY
+    for n in 1 2; do
+        run tp_bench_$n 270 python3 -m torch.distributed.run --nproc-per-node $n "$repo/profiling/bench_tp.py" \
+            --out "$out/results/tp_decode.jsonl"
+    done
+    echo "== summary"
+    cat "$out/tp_tokens.txt" "$out/results/tp_decode.jsonl" 2>/dev/null
     ;;
 *)
     echo "unknown stage $stage; $usage"; status=2
