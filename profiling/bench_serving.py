@@ -15,7 +15,7 @@ engine features off and on, on the same traffic:
 The model is the bench's ~1.1 B DiffLlama on CUDA and ``random_model_config()`` on the CPU
 (random weights, greedy). Appends to ``<results-dir>/serving.md`` and ``serving.jsonl``.
 
-    python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8]
+    python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
 from compiled_attn.models import build_random_model, random_model_config
 from compiled_attn.ops.arith import cdiv
+from compiled_attn.profiler import StepProfiler
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
 
@@ -48,11 +49,13 @@ def traffic(n: int, rate: float, vocab: int, seed: int, system: list[int], mean_
     return arrivals
 
 
-def serve(engine: Engine, arrivals) -> tuple[list[dict], float, int]:
-    """Step ``engine`` over ``arrivals`` in wall time. Returns one record per request
-    (``prompt``, ``ttft`` and ``tpot`` in seconds, ``tpot`` ``None`` for a single token),
-    the wall seconds and the tokens generated."""
+def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, int]:
+    """Step ``engine`` over ``arrivals`` in wall time (``on_step()`` after every step, e.g. a
+    profiler's). Returns one record per request (``prompt``, ``ttft`` and ``tpot`` in seconds,
+    ``tpot`` ``None`` for a single token), the wall seconds and the tokens generated; prints
+    the median wall time of steps that prefilled (mixed steps) and of decode steps."""
     start, pending, live = time.perf_counter(), list(arrivals), []
+    step_ms = {"mixed": [], "decode": []}
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -61,7 +64,12 @@ def serve(engine: Engine, arrivals) -> tuple[list[dict], float, int]:
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
+        prefilled = engine.timings.prefill_tokens
         engine.step()
+        if on_step is not None:
+            on_step()
+        step_ms["mixed" if engine.timings.prefill_tokens > prefilled else "decode"].append(
+            (time.perf_counter() - start - now) * 1e3)
         now = time.perf_counter() - start
         for _, _, request, stamps in live:
             stamps.extend([now] * (len(request.output_ids) - len(stamps)))
@@ -70,8 +78,10 @@ def serve(engine: Engine, arrivals) -> tuple[list[dict], float, int]:
                for arrival, prompt, _, stamps in live]
     seconds, tokens = time.perf_counter() - start, sum(len(stamps) for *_, stamps in live)
     ttft = sorted(r["ttft"] for r in records)
+    steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
+                      for kind, ms in step_ms.items() if ms)
     print(f"served {len(records)} requests in {seconds:.1f} s, {tokens} tokens; TTFT median "
-          f"{ttft[len(ttft) // 2] * 1e3:.1f} ms", flush=True)  # progress, should a later run not finish
+          f"{ttft[len(ttft) // 2] * 1e3:.1f} ms; {steps}", flush=True)  # progress, should a later run not finish
     return records, seconds, tokens
 
 
@@ -89,6 +99,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: 512 cuda, 32 cpu)")
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="trace the first --profile-steps steps of the prefix-caching run into DIR "
+                             "(compiled-attn profile-report DIR reads it)")
+    parser.add_argument("--profile-steps", type=int, default=48)
     args = parser.parse_args()
     cuda = args.device == "cuda"
     config = BENCH_CONFIG if cuda else random_model_config()
@@ -108,7 +122,13 @@ def main() -> None:
     rows = []
     system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]
     shared = traffic(n, rate, vocab, args.seed, system, 64, 64, max_len)
-    runs = {caching: serve(engine(enable_prefix_caching=caching), shared) for caching in (False, True)}
+    runs = {False: serve(engine(enable_prefix_caching=False), shared)}
+    if args.profile is None:
+        runs[True] = serve(engine(enable_prefix_caching=True), shared)
+    else:
+        cached = engine(enable_prefix_caching=True)
+        with StepProfiler(args.profile, active=args.profile_steps, record_shapes=True, device=args.device) as profiler:
+            runs[True] = serve(cached, shared, on_step=profiler.step)
     case = f"{n} requests, {rate}/s, shared system prompt {system_len}"
     for name, q in (("p50", 50), ("p99", 99)):
         ttft = {caching: percentile([r["ttft"] for r in records], q) * 1e3 for caching, (records, _, _) in runs.items()}

@@ -30,12 +30,13 @@
 #                                        # report and the timeline (docs/decode_timeline.png) to $OUT
 #   bash profiling/gpu_suite.sh train    # compiled-attn train of the shipped model into /root/runs/default
 #                                        # (TRAIN_SECONDS, default 450; the same call again within the
-#                                        # machine's warm time resumes); model/ (with training.json), summary
-#                                        # and log to $OUT; later stages of the call use the new model
+#                                        # machine's warm time resumes); model.tar (model/ with training.json),
+#                                        # summary and log to $OUT; later stages of the call use the new model
 #   bash profiling/gpu_suite.sh prefill  # bench_kernels prefill: our kernels against SDPA/cuDNN, the Hopper
 #                                        # prefill kernel's tile sweep (issue 12)
 #   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
-#                                        # prefill; TTFT/TPOT percentiles) and bench_kernels fp8 (fp8 KV cache)
+#                                        # prefill; TTFT/TPOT percentiles; the prefix-cache run traced, its
+#                                        # profile-report to $OUT) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
 #                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
@@ -186,13 +187,13 @@ report)
     ls -la "$out"
     ;;
 train)
-    mkdir -p "$out/model"
     run train $(( ${TRAIN_SECONDS:-450} + 120 )) python3 -m compiled_attn.cli train --out /root/runs/default --device cuda \
         --no-progress --resume latest --max-seconds "${TRAIN_SECONDS:-450}"
-    cp /root/runs/default/summary.json /root/runs/default/log.jsonl "$out/"
-    # A finished run's model (with its training.json) comes back and, for the stages after this
+    cp /root/runs/default/summary.json "$out/"
+    # A finished run's model (with its training.json) comes back as one file (at most 8 files
+    # come back from a call: `tar -xf model.tar` unpacks model/) and, for the stages after this
     # one in the same call (e.g. `train report`), replaces the default model of the scratch copy.
-    if cp /root/runs/default/model/* "$out/model/" 2>/dev/null; then
+    if tar -cf "$out/model.tar" -C /root/runs/default model 2>/dev/null; then
         cp /root/runs/default/model/* "$site/compiled_attn/default_model/"
     else
         echo "no model/ yet: the run stopped early"
@@ -228,7 +229,10 @@ prefill)
     ;;
 serving)
     mkdir -p "$out/results"
-    run bench_serving "${SERVING_SECONDS:-480}" python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results"
+    run bench_serving "${SERVING_SECONDS:-480}" python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results" \
+        --profile /tmp/serving_trace
+    # what the prefix-cache run's steps spend (its log shares bench_serving.log: at most 8 files come back)
+    run bench_serving 120 python3 -m compiled_attn.cli profile-report /tmp/serving_trace --out "$out/serving_report.html"
     run bench_fp8 100 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts fp8
     echo "== summary"
     cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null

@@ -264,10 +264,11 @@ def test_paged_attention_fp8_reference(dtype, case):
 @needs_triton
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("case", PAGED_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_interpreter_paged_attention_fp8(dtype, case, num_splits):
     """The Triton kernel over the fp8 cache: mixed prefill/decode rows (GQA 2), with and
-    without flash-decoding splits."""
+    without flash-decoding splits. A bfloat16 query runs its dots in float16 (the
+    kernel's ``F16_TILES``), so the interpreter takes it too."""
     from compiled_attn.ops import triton_kernels
 
     b = fp8_batch(MIXED, dtype, seed=8)

@@ -222,7 +222,8 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
         BLOCK_SIZE=block_size, PAGED=paged, DIFFERENTIAL=differential, STACKED=tiles.stacked, SPLIT=split,
         SOFTCAP=softcap > 0 or scale_softcap is not None, ALIBI=alibi_slopes is not None,
         LAMBDA_PER_PAIR=lambda_per_pair, RUNTIME_SCALARS=scale_softcap is not None,
-        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None, HEAD_SIZE=head_size,
+        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
+        F16_TILES=key.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16, HEAD_SIZE=head_size,
         HEAD_SIZE_PAD=plan.head_size_pad, GROUP=num_heads // key.shape[-2], GROUP_PAD=plan.group_pad,
         BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n)
     block_v = merge_block_v(next_power_of_2(value_size), next_power_of_2(num_splits))
