@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-blocks", type=_positive_int,
                      help="KV-cache blocks (default: 8 sequences of max length, at most 65536 tokens)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    gen.add_argument("--profile", type=Path, metavar="DIR",
+    gen.add_argument("--profile", metavar="DIR",
                      help="write a torch.profiler trace of the timed run to DIR (TensorBoard/Perfetto)")
     gen.add_argument("--profile-steps", type=_positive_int, help="engine steps to record with --profile (default 8)")
     gen.add_argument("--memory-snapshot", type=Path, metavar="FILE",
@@ -157,6 +157,15 @@ def generate(args, tokenizer) -> dict:
                              ("--profile-steps", args.profile_steps is not None)) if on]
     if flags and args.profile is None:
         raise ValueError(f"{' '.join(flags)} needs --profile DIR")
+    if args.profile is not None:  # before the model loads, not when the trace is written
+        if not args.profile:
+            raise ValueError("--profile needs a directory, got ''")
+        if os.path.exists(args.profile) and not os.path.isdir(args.profile):
+            raise ValueError(f"--profile {args.profile}: exists and is not a directory")
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--profile {args.profile}: cannot create the directory ({err})") from None
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
     tp = None

@@ -1,10 +1,10 @@
 """One self-contained HTML report of a profiler trace, readable on any machine.
 
-``compiled-attn profile-report DIR`` renders the newest trace in ``DIR`` (or one trace
-file) with :func:`write_report`: step statistics per kind (decode steps apart from
-prefill), each phase's share of the profiled steps, the device-busy share, the top CPU
-ops and device kernels, our ops per input shape (when shapes were recorded) and a timeline
-picture of the last few steps (:func:`timeline_svg`). Styles and the picture are inline:
+``compiled-attn profile-report DIR`` renders the newest trace of the lowest rank in ``DIR``
+(:func:`find_trace`; or one trace file) with :func:`write_report`: step statistics per kind
+(decode steps apart from prefill), each phase's share of the profiled steps, the device-busy
+share, the top CPU ops and device kernels, our ops per input shape (when shapes were
+recorded) and a timeline picture of the last few steps (:func:`timeline_svg`). Styles and the picture are inline:
 the file references nothing on the network, unlike TensorBoard's profiler plugin (which
 loads Google Charts) or Perfetto's web UI.
 """
@@ -13,20 +13,31 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from pathlib import Path
 
-from .profiler import STEP_NAMES, TraceSummary, classify_steps, read_trace, summarize_trace
+from .profiler import STEP_NAMES, TraceSummary, classify_steps, list_traces, load_trace, summarize_trace
 
 _TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json")
 COLORS = {"attention": "#d62728", "reshape_and_cache": "#2ca02c", "merge": "#ff7f0e", "other": "#1f77b4"}
 """Timeline colors of ops and kernels: the first key found in an event's name, else ``other``."""
 _SPAN_COLORS = {"prefill": "#9467bd", "decode_step": "#17becf", "capture": "#8c564b", "replay": "#bcbd22",
                 "decode": "#7f7f7f", "idle": "#dddddd"}
+_RANK_RE = re.compile(r"-rank(\d+)\.\d+\.pt\.trace\.json(\.gz)?$")
+
+
+def _rank(trace: Path) -> int:
+    match = _RANK_RE.search(trace.name)
+    return int(match.group(1)) if match else 0
 
 
 def find_trace(path: str | Path) -> Path:
-    """The trace to report: ``path`` itself if it is a file, else the newest
-    ``*.pt.trace.json[.gz]`` in the directory ``path``.
+    """The trace to report: ``path`` itself if it is a file, else, of the complete traces
+    ``*.pt.trace.json[.gz]`` in the directory ``path`` (half-written ``.tmp`` files are
+    ignored), the newest of the lowest rank. The rank is read from the name
+    (``compiled-attn-<device>-rank<r>.<ns>.pt.trace.json``; a name without one counts as
+    rank 0), so with several ranks or runs in one directory rank 0's last run is chosen;
+    :func:`write_report` lists the traces left out in the report.
 
     Raises:
         ValueError: ``path`` does not exist, or is a directory without a trace.
@@ -36,10 +47,11 @@ def find_trace(path: str | Path) -> Path:
         return path
     if not path.is_dir():
         raise ValueError(f"path {path}: no such file or directory")
-    traces = sorted(path.glob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
+    traces = list_traces(path)
     if not traces:
         raise ValueError(f"path {path}: holds no *.pt.trace.json trace (write one with generate --profile {path})")
-    return traces[-1]
+    lowest = min(map(_rank, traces))
+    return [p for p in traces if _rank(p) == lowest][-1]
 
 
 def _color(name: str) -> str:
@@ -191,16 +203,19 @@ def _table(headers: list[str], rows: list[list], name_cols: tuple[int, ...] = (1
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_report(trace: str | Path, *, top: int = 15, steps: int = 3) -> str:
+def render_report(trace: str | Path, *, top: int = 15, steps: int = 3,
+                  left_out: list[Path] | None = None) -> str:
     """The HTML text of the report of one trace (see the module docstring).
 
     Args:
         trace: a trace file (``*.pt.trace.json`` or ``.json.gz``).
         top: rows in the ops and kernels tables.
         steps: steps drawn in the timeline.
+        left_out: the other traces of ``trace``'s directory, named in the report's first lines.
 
     Raises:
-        ValueError: ``top < 1``, ``steps < 1``, ``trace`` is not a JSON trace.
+        ValueError: ``top < 1``, ``steps < 1``, ``trace`` is not a JSON trace (see
+            :func:`compiled_attn.profiler.read_trace`).
         FileNotFoundError: no such file.
     """
     if top < 1:
@@ -208,14 +223,16 @@ def render_report(trace: str | Path, *, top: int = 15, steps: int = 3) -> str:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     trace = Path(trace)
-    data = read_trace(trace)
-    events = [e for e in data["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = load_trace(trace)
     s: TraceSummary = summarize_trace(trace)
     meta = s.metadata
     ours = meta.get("compiled_attn") if isinstance(meta.get("compiled_attn"), dict) else {}
     dist = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
     recorded = [k.replace("_", " ") for k in ("record_shapes", "with_stack", "profile_memory") if meta.get(k)]
     facts = [f"trace <code>{html.escape(trace.name)}</code>"]
+    if left_out:
+        names = ", ".join(f"<code>{html.escape(p.name)}</code>" for p in left_out)
+        facts.append(f"the newest of the lowest rank in its directory; left out: {names}")
     if ours.get("worker"):
         facts.append(f"worker {html.escape(str(ours['worker']))}")
     if "rank" in dist:
@@ -314,7 +331,8 @@ def write_report(path: str | Path, out: str | Path | None = None, *, top: int = 
     """Write the HTML report of a trace and return the file written.
 
     Args:
-        path: a ``--profile`` directory (its newest trace is reported) or a trace file.
+        path: a ``--profile`` directory (the trace :func:`find_trace` picks is reported, the
+            others are named in the report) or a trace file.
         out: the HTML file (default: :func:`default_report_path` of the trace); its
             directory is created.
         top: rows in the ops and kernels tables.
@@ -322,13 +340,16 @@ def write_report(path: str | Path, out: str | Path | None = None, *, top: int = 
 
     Raises:
         ValueError: ``path`` holds no trace or is not one (see :func:`find_trace`),
-            ``top`` or ``steps`` < 1, ``out`` is a directory.
+            ``top`` or ``steps`` < 1, ``out`` is a directory or the trace itself.
     """
     trace = find_trace(path)
     out = default_report_path(trace) if out is None else Path(out)
     if out.is_dir():
         raise ValueError(f"out {out}: is a directory; name the HTML file to write")
-    text = render_report(trace, top=top, steps=steps)
+    if out.resolve() == trace.resolve():
+        raise ValueError(f"out {out}: is the trace being reported; name another file")
+    left_out = [p for p in list_traces(path) if p != trace] if Path(path).is_dir() else []
+    text = render_report(trace, top=top, steps=steps, left_out=left_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return out

@@ -11,7 +11,9 @@ and a prefill step reads ``PrefillStep#N`` (a step that captures CUDA graphs
 ``CaptureStep#N``, an empty one ``IdleStep#N``). TensorBoard's "average step time" and
 HTA's per-step views then compare decode steps with decode steps. The worker is named
 ``compiled-attn-<device>-rank<r>`` (:func:`worker_name`) and the trace carries
-``distributedInfo`` (rank, world size), which HTA needs to read it.
+``distributedInfo`` (rank, world size), which HTA needs to read it. With ``with_stack``,
+:func:`add_call_stacks` gives each CPU op the ``Call stack`` argument TensorBoard's "View
+CallStack" reads.
 
 :func:`summarize_trace` reads a written trace back: the top CPU ops and device kernels by
 self time, each phase's share of the profiled steps and step statistics per kind
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -42,7 +45,8 @@ TOP_LEVEL_PHASES = ("prefill", "decode_step", "capture")
 STEP_NAMES = {"decode": "ProfilerStep", "prefill": "PrefillStep", "capture": "CaptureStep", "idle": "IdleStep"}
 """Span name per step kind in a labelled trace; only decode steps keep the profiler's name."""
 _STEP_RE = re.compile(r"^(%s)#(\d+)$" % "|".join(STEP_NAMES.values()))
-_TRACE_GLOB = "*.pt.trace.json*"
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+"""Endings of complete trace files (torch writes ``<name>.tmp`` first, then renames it)."""
 
 
 def _rank_and_world_size() -> tuple[int, int]:
@@ -105,8 +109,9 @@ class StepProfiler:
         memory_snapshot: file for a CUDA memory snapshot (``torch.cuda.memory``) of the
             profiled steps, viewable at https://pytorch.org/memory_viz.
         record_shapes: record ops' input shapes (TensorBoard's "Group by input shape").
-        with_stack: record Python stacks (``python_function`` spans around each op;
-            TensorBoard's "View CallStack").
+        with_stack: record Python stacks (``python_function`` spans around each op, and
+            each op's ``Call stack`` argument for TensorBoard's "View CallStack";
+            :func:`add_call_stacks`).
         profile_memory: record tensor allocations and frees (``[memory]`` events).
         device: the device the engine runs on, for the worker name and the trace metadata
             (default: CUDA when available, else CPU).
@@ -137,6 +142,7 @@ class StepProfiler:
         self.worker = worker_name(dev, rank)
         self.trace_dir = Path(trace_dir)
         self.memory_snapshot = memory_snapshot
+        self.with_stack = with_stack
         self.written: list[Path] = []
         self._handler = tensorboard_trace_handler(str(self.trace_dir), worker_name=self.worker)
         activities = [ProfilerActivity.CPU]
@@ -163,10 +169,13 @@ class StepProfiler:
         self._profile.preset_metadata_json("compiled_attn", json.dumps(meta))
 
     def _trace_ready(self, prof) -> None:
-        before = set(self.trace_dir.glob(_TRACE_GLOB))
+        # Only this worker's complete files: another rank writes into the same directory.
+        before = set(list_traces(self.trace_dir, self.worker))
         self._handler(prof)
-        for path in sorted(set(self.trace_dir.glob(_TRACE_GLOB)) - before):
+        for path in sorted(set(list_traces(self.trace_dir, self.worker)) - before):
             label_trace_steps(path)
+            if self.with_stack:
+                add_call_stacks(path)
             self.written.append(path)
 
     def __enter__(self) -> "StepProfiler":
@@ -186,22 +195,44 @@ class StepProfiler:
         self._profile.step()
 
     def trace_files(self) -> list[Path]:
-        """The traces in ``trace_dir`` (this profiler's and older ones), oldest first;
-        :attr:`written` holds only this profiler's."""
-        return sorted(self.trace_dir.glob(_TRACE_GLOB), key=lambda p: p.stat().st_mtime)
+        """The complete traces in ``trace_dir`` (this profiler's, older ones and other
+        workers'), oldest first; :attr:`written` holds only this profiler's."""
+        return list_traces(self.trace_dir)
+
+
+def list_traces(directory: str | Path, worker: str = "*") -> list[Path]:
+    """The complete traces ``<worker>.*.pt.trace.json[.gz]`` in ``directory``, oldest
+    (by modification time) first; half-written ``.tmp`` files are left out.
+
+    Args:
+        directory: a trace directory (none there: an empty list).
+        worker: a worker name (:func:`worker_name`), or ``*`` for every worker.
+    """
+    paths = [p for p in Path(directory).glob(f"{worker}.*") if p.name.endswith(TRACE_SUFFIXES)]
+    return sorted(paths, key=lambda p: p.stat().st_mtime)
+
+
+def _open(path: Path, mode: str):
+    return (gzip.open if path.suffix == ".gz" else open)(path, mode, encoding="utf-8")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_trace(path: str | Path) -> dict:
-    """A Chrome-format trace (``.json`` or ``.json.gz``) as a dict with ``traceEvents``.
+    """A Chrome-format trace (``.json`` or ``.json.gz``) as a dict with ``traceEvents``,
+    the events that are JSON objects (others are dropped).
 
     Raises:
-        ValueError: the file is not a JSON trace (names ``path``).
+        ValueError: the file is not a JSON trace, a complete (``ph == "X"``) event has a
+            ``ts`` or ``dur`` that is not a finite number or a ``name`` that is not a string
+            (names the event's index), or no complete event is left; each names ``path``.
         FileNotFoundError: no such file.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with _open(path, "rt") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
         raise ValueError(f"path {path}: not a JSON trace ({err})") from None
@@ -209,7 +240,19 @@ def read_trace(path: str | Path) -> dict:
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"path {path}: not a Chrome trace (no traceEvents list)")
+    for i, e in enumerate(data["traceEvents"]):
+        if isinstance(e, dict) and e.get("ph") == "X" and not (
+                _is_number(e.get("ts")) and _is_number(e.get("dur")) and isinstance(e.get("name"), str)):
+            raise ValueError(f"path {path}: traceEvents[{i}] (ph 'X') needs a number ts and dur and a string "
+                             f"name, got ts={e.get('ts')!r}, dur={e.get('dur')!r}, name={e.get('name')!r}")
+    data["traceEvents"] = [e for e in data["traceEvents"] if isinstance(e, dict)]
+    if not any(e.get("ph") == "X" for e in data["traceEvents"]):
+        raise ValueError(f"path {path}: holds no complete (ph 'X') events")
     return data
+
+
+def _complete(data: dict) -> list[dict]:
+    return [e for e in data["traceEvents"] if e.get("ph") == "X"]
 
 
 def load_trace(path: str | Path) -> list[dict]:
@@ -218,7 +261,44 @@ def load_trace(path: str | Path) -> list[dict]:
     Raises:
         ValueError, FileNotFoundError: as :func:`read_trace`.
     """
-    return [e for e in read_trace(path)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    return _complete(read_trace(path))
+
+
+def add_call_stacks(path: str | Path) -> int:
+    """Give each CPU op of a trace recorded ``with_stack`` its Python stack as
+    ``args["Call stack"]``, in place: the names of the ``python_function`` spans around it on
+    its thread, innermost first, joined by ``;`` (``file.py(123): func;...``), the argument
+    torch-tb-profiler reads for "View CallStack" (torch 2.13 writes only the spans). Ops without
+    an enclosing span get none. Running it again changes nothing.
+
+    Returns:
+        The number of ops given a stack.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`read_trace`.
+    """
+    path = Path(path)
+    data = read_trace(path)
+    threads = defaultdict(list)
+    for e in _complete(data):
+        if e.get("cat") in ("python_function", "cpu_op"):
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+    stacked = 0
+    for events in threads.values():
+        # Spans before the ops they start with; each span encloses those after it until it ends.
+        events.sort(key=lambda e: (e["ts"], -e["dur"], e["cat"] != "python_function"))
+        stack: list[tuple[float, str]] = []  # (end, name) of the open spans, outermost first
+        for e in events:
+            while stack and stack[-1][0] <= e["ts"]:
+                stack.pop()
+            if e["cat"] == "python_function":
+                stack.append((e["ts"] + e["dur"], e["name"]))
+            elif stack:
+                e.setdefault("args", {})["Call stack"] = ";".join(name for _, name in reversed(stack))
+                stacked += 1
+    with _open(path, "wt") as f:
+        json.dump(data, f)
+    return stacked
 
 
 def _is_step(e: dict) -> bool:
@@ -261,7 +341,7 @@ def label_trace_steps(path: str | Path) -> dict[str, int]:
         ValueError, FileNotFoundError: as :func:`read_trace`.
     """
     path = Path(path)
-    events = [e for e in read_trace(path)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = load_trace(path)
     counts: dict[str, int] = defaultdict(int)
     renames = {}
     for step, kind in classify_steps(events):
@@ -271,12 +351,11 @@ def label_trace_steps(path: str | Path) -> dict[str, int]:
         if step["name"] != wanted:
             renames[json.dumps(step["name"])] = json.dumps(wanted)
     if renames:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
+        with _open(path, "rt") as f:
             text = f.read()
         # Names are whole JSON strings (quotes included): "ProfilerStep#1" never matches #10.
         text = re.sub("|".join(re.escape(k) for k in renames), lambda m: renames[m.group(0)], text)
-        with opener(path, "wt", encoding="utf-8") as f:
+        with _open(path, "wt") as f:
             f.write(text)
     return dict(counts)
 
@@ -303,9 +382,9 @@ class StepStats:
         return cls(len(ordered), sum(ordered), statistics.fmean(ordered), statistics.median(ordered),
                    p90, ordered[0], ordered[-1])
 
-    def as_dict(self) -> dict:
-        """JSON-ready dict of the fields."""
-        return asdict(self)
+    def as_dict(self) -> dict | None:
+        """JSON-ready dict of the fields; None when ``count == 0`` (no such step profiled)."""
+        return asdict(self) if self.count else None
 
 
 @dataclass
@@ -435,7 +514,7 @@ def summarize_trace(path: str | Path) -> TraceSummary:
         ValueError, FileNotFoundError: as :func:`read_trace`.
     """
     data = read_trace(path)
-    events = [e for e in data["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = _complete(data)
     kinds = classify_steps(events)
     spans = [(e["ts"], e["ts"] + e["dur"]) for e, _ in kinds]
 

@@ -333,3 +333,28 @@ def test_an_unknown_option_is_an_error_of_its_command(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: compiled-attn generate") and "unrecognized arguments: --bogus 1" in err
+
+
+@pytest.mark.parametrize(
+    "setup, match",
+    [
+        ("empty", "--profile needs a directory, got ''"),
+        ("file", "--profile {file}: exists and is not a directory"),
+        ("under-a-file", "--profile {file}/trace: cannot create the directory"),
+    ],
+)
+def test_bad_profile_paths_exit_2_before_the_model_loads(capsys, tmp_path, monkeypatch, setup, match):
+    import compiled_attn.cli as cli
+
+    def load_diffllama(*args, **kwargs):
+        raise ValueError("the model loaded")
+
+    monkeypatch.setattr(cli, "load_diffllama", load_diffllama)
+    file = tmp_path / "passwd"
+    file.write_text("root:x:0:0\n")
+    path = {"empty": "", "file": str(file), "under-a-file": str(file / "trace")}[setup]
+    assert main([*BASE, "--max-new-tokens", "1", "--profile", path]) == 2
+    assert capsys.readouterr().err.startswith("compiled-attn: error: " + match.format(file=file))
+    assert file.read_text() == "root:x:0:0\n"
+    assert main([*BASE, "--max-new-tokens", "1", "--profile", str(tmp_path / "a" / "b")]) == 2
+    assert "the model loaded" in capsys.readouterr().err and (tmp_path / "a" / "b").is_dir()  # created first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -134,6 +135,40 @@ def test_bad_report_inputs_are_clean_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["profile-report", str(good), "--top", "0"])
     assert "argument --top: must be an int >= 1, got 0" in capsys.readouterr().err
+    empty = "holds no complete (ph 'X') events"
+    for text, message in (("[1, 2]", empty), ('{"traceEvents": [1, "x"]}', empty), ('{"traceEvents": []}', empty),
+                          ('{"traceEvents": [{"ph": "X", "name": "a", "ts": "0", "dur": 1}]}',
+                           "traceEvents[0] (ph 'X') needs a number ts and dur and a string name, got ts='0', dur=1, "
+                           "name='a'")):
+        bad.write_text(text)
+        assert main(["profile-report", str(bad)]) == 2
+        assert capsys.readouterr().err == f"compiled-attn: error: path {bad}: {message}\n"
+
+
+def test_the_report_never_overwrites_its_trace(tmp_path, capsys):
+    trace = _gpu_like_trace(tmp_path / "w.pt.trace.json")
+    before = trace.read_text()
+    for out in (trace, tmp_path / "." / "w.pt.trace.json"):
+        with pytest.raises(ValueError, match=r"out .*w\.pt\.trace\.json: is the trace being reported"):
+            write_report(tmp_path, out)
+    assert main(["profile-report", str(trace), "--out", str(trace)]) == 2
+    assert "is the trace being reported" in capsys.readouterr().err
+    assert trace.read_text() == before
+
+
+def test_a_directory_of_several_ranks_reports_rank_0s_newest_and_names_the_rest(tmp_path):
+    names = ["compiled-attn-cuda0-rank0.100.pt.trace.json", "compiled-attn-cuda0-rank0.200.pt.trace.json",
+             "compiled-attn-cuda1-rank1.300.pt.trace.json"]
+    for age, name in zip((30, 20, 10), names):  # seconds old: rank 1's trace is the newest
+        mtime = time.time() - age
+        os.utime(_gpu_like_trace(tmp_path / name), (mtime, mtime))
+    (tmp_path / "compiled-attn-cuda0-rank0.400.pt.trace.json.tmp").write_text('{"traceEv')  # half written
+    assert find_trace(tmp_path) == tmp_path / names[1]
+    text = write_report(tmp_path).read_text(encoding="utf-8")
+    meta = re.search(r'<p class="meta">(.*?)</p>', text).group(1)
+    assert meta.startswith(f"trace <code>{names[1]}</code> · the newest of the lowest rank in its directory; "
+                           f"left out: <code>{names[0]}</code>, <code>{names[2]}</code> · ")
+    assert ".tmp" not in text
 
 
 def test_profile_flags_need_profile(capsys):

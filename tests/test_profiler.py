@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from compiled_attn.cli import main
-from compiled_attn.profiler import (StepProfiler, StepStats, classify_steps, label_trace_steps, load_trace,
-                                    read_trace, summarize_trace, worker_name)
+from compiled_attn.profiler import (StepProfiler, StepStats, add_call_stacks, classify_steps, label_trace_steps,
+                                    load_trace, read_trace, summarize_trace, worker_name)
 
 
 def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
@@ -30,6 +30,7 @@ def test_generate_profile_writes_a_labelled_trace(tmp_path, capsys):
     assert data["distributedInfo"] == {"rank": 0, "world_size": 1}
     assert data["compiled_attn"]["worker"] == "compiled-attn-cpu-rank0"
     assert not any("Input Dims" in e.get("args", {}) for e in data["traceEvents"])  # no shapes unless asked
+    assert not any("Call stack" in e.get("args", {}) for e in data["traceEvents"])  # no stacks unless asked
     assert {"compiled_attn::varlen_attention", "compiled_attn::paged_attention",
             "compiled_attn::reshape_and_cache"} <= names
     assert any(n.startswith("ProfilerStep#") for n in names)
@@ -104,11 +105,72 @@ def test_profile_flags_record_shapes_stacks_and_memory_of_our_ops(tmp_path, caps
     stack = [e["name"] for e in _enclosing(events, paged)]
     assert any("compiled_attn/engine.py" in f and "step" in f for f in stack), stack
     assert any("compiled_attn/layers/" in f for f in stack), stack  # the layer that called the op
+    for op in ours:  # TensorBoard's "View CallStack" reads args["Call stack"]: the frames, innermost first
+        assert sorted(op["args"]["Call stack"].split(";")) == sorted(e["name"] for e in _enclosing(events, op))
+    frames = paged["args"]["Call stack"].split(";")
+    layer = next(i for i, f in enumerate(frames) if "compiled_attn/layers/" in f)
+    assert layer < next(i for i, f in enumerate(frames) if "compiled_attn/engine.py" in f), frames
     assert any(e.get("name") == "[memory]" for e in events)
     summary = summarize_trace(result["profile"]["trace"])
     assert {name for name, *_ in summary.op_shapes} >= {"compiled_attn::paged_attention"}
     assert summary.memory_peak_bytes.get("cpu", 0) > 0
     assert time.perf_counter() - start < 20
+
+
+def test_add_call_stacks_names_the_enclosing_python_frames_innermost_first(tmp_path):
+    def x(name, cat, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": {}}
+
+    events = [x("a.py(1): main", "python_function", 0, 100), x("b.py(2): f", "python_function", 10, 30),
+              x("c.py(3): g", "python_function", 10, 20),  # starts with f, inside it
+              x("op1", "cpu_op", 10, 20),  # the same interval as g: inside g
+              x("op2", "cpu_op", 30, 5),  # where g ends: in f only
+              x("b.py(4): h", "python_function", 50, 10), x("op3", "cpu_op", 52, 3),
+              x("op4", "cpu_op", 70, 5),  # in main only
+              x("op5", "cpu_op", 20, 5, tid=2),  # another thread, without frames
+              x("op6", "cpu_op", 100, 5)]  # after main
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    expected = {"op1": "c.py(3): g;b.py(2): f;a.py(1): main", "op2": "b.py(2): f;a.py(1): main",
+                "op3": "b.py(4): h;a.py(1): main", "op4": "a.py(1): main", "op5": None, "op6": None}
+    for _ in range(2):  # running it again changes nothing
+        assert add_call_stacks(path) == 4
+        assert {e["name"]: e["args"].get("Call stack") for e in load_trace(path) if e["cat"] == "cpu_op"} == expected
+
+
+def test_trace_ready_takes_only_its_own_complete_traces(tmp_path):
+    """Another rank writing into the same directory at the same time (its ``.tmp`` half
+    written, or its trace complete) is neither labelled nor listed as this profiler's."""
+    import torch
+
+    other = {"traceEvents": [{"ph": "X", "name": "ProfilerStep#0", "cat": "user_annotation", "ts": 0, "dur": 5}]}
+    half = tmp_path / "compiled-attn-cpu-rank1.1.pt.trace.json.tmp"
+    other_trace = tmp_path / "compiled-attn-cpu-rank1.2.pt.trace.json"
+    profiler = StepProfiler(tmp_path, active=2, device="cpu")
+    handler = profiler._handler
+
+    def racing_handler(prof):
+        half.write_text('{"traceEvents": [')
+        other_trace.write_text(json.dumps(other))
+        handler(prof)
+
+    profiler._handler = racing_handler
+    with profiler:
+        for _ in range(3):
+            torch.ones(8).sum()
+            profiler.step()
+    (ours,) = profiler.written
+    assert ours.name.startswith(f"{profiler.worker}.") and ours.name.endswith(".pt.trace.json")
+    assert json.loads(other_trace.read_text()) == other  # not labelled (it would read IdleStep#0)
+    assert set(profiler.trace_files()) == {ours, other_trace}  # no .tmp
+
+
+def test_a_profile_without_decode_steps_reports_null_decode_statistics(tmp_path, capsys):
+    assert main(["generate", "--no-compile", "--json", "--max-new-tokens", "3", "--prompt-ids", "1,2,3",
+                 "--profile", str(tmp_path), "--profile-steps", "1"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    assert profile["decode_steps"] is None  # only the prefill step was profiled
+    assert profile["prefill_steps"]["count"] == 1 and profile["prefill_steps"]["total_us"] > 0
 
 
 def test_prefill_and_decode_steps_are_accounted_apart(tmp_path, capsys):
@@ -172,6 +234,7 @@ def test_decode_step_statistics_exclude_prefill_on_a_handmade_trace(tmp_path):
                                                   "median_us": 600.0, "p90_us": 600.0, "min_us": 600.0,
                                                   "max_us": 600.0}
     assert s.step_stats("capture").count == 1 and s.step_stats("idle").count == 1
+    assert StepStats().as_dict() is None  # JSON null, not zeros, when no step of a kind was profiled
     assert "decode steps: 3, mean 0.200 ms" in s.format()
     with pytest.raises(ValueError, match="kind must be one of"):
         s.step_stats("prefil")
@@ -215,3 +278,15 @@ def test_read_trace_rejects_what_is_not_a_trace(tmp_path):
     bad.write_text(json.dumps({"events": []}))
     with pytest.raises(ValueError, match="no traceEvents list"):
         read_trace(bad)
+    for empty in ([1, 2], {"traceEvents": [1, "x"]}, {"traceEvents": []},
+                  {"traceEvents": [{"ph": "M", "name": "process_name"}]}):
+        bad.write_text(json.dumps(empty))
+        with pytest.raises(ValueError, match=rf"path {bad}: holds no complete \(ph 'X'\) events"):
+            read_trace(bad)
+    event = {"ph": "X", "name": "op", "cat": "cpu_op", "ts": 1.5, "dur": 2}
+    for broken, shown in (({"ts": "5"}, "ts='5'"), ({"dur": None}, "dur=None"), ({"name": 3}, "name=3")):
+        bad.write_text(json.dumps([1, event, {**event, **broken}]))
+        with pytest.raises(ValueError, match=rf"path {bad}: traceEvents\[2\] \(ph 'X'\).*{shown}"):
+            load_trace(bad)
+    bad.write_text(json.dumps({"traceEvents": [1, "x", event]}))
+    assert load_trace(bad) == [event]  # what is not an event object is left out
