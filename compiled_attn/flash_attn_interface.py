@@ -14,21 +14,30 @@ are ops with fakes (no graph break), they capture in CUDA graphs, and they run o
 Errors are raised as flash-attn raises them (its ``TORCH_CHECK``: ``RuntimeError``), as
 :class:`FlashAttnArgumentError`, which is also a ``ValueError`` and a ``TypeError``. What our
 ops cannot do raises ``NotImplementedError`` naming the argument: ``dropout_p > 0``, rotary
-embedding inside :func:`flash_attn_with_kvcache`, per-batch ALiBi slopes ``(batch, nheads)``.
+embedding inside :func:`flash_attn_with_kvcache`, per-batch ALiBi slopes ``(batch, nheads)``,
+``cache_leftpad`` with a cache not contiguous in its first two dims.
 ``softmax_lse`` (``return_attn_probs`` / ``return_softmax_lse``) is computed by a second,
 dense pass in plain PyTorch (memory ``batch * nheads * seqlen_q * seqlen_k`` floats); the
 varlen one loops over sequences on the host, so it is eager-only. ``deterministic`` and
 ``num_splits`` are accepted and have no effect (our forward and backward are deterministic;
-splits are chosen from shapes).
+splits are chosen from shapes). As in flash-attn, q/k/v not contiguous in the last dim are
+made contiguous, and the number options take any real (NumPy's too) or integral number.
+
+Checks that read tensor values on the host (``cache_seqlens`` against the cache, row and
+padding indices, ``cu_seqlens``) run, as our ops' value checks, only when
+:func:`compiled_attn.ops.value_checks.should_check` says so: eagerly, not while a CUDA
+graph is captured, and not with ``COMPILED_ATTN_CHECK_VALUES=0``.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 from torch import Tensor
 
 from . import ops
-from .ops.value_checks import values_readable
+from .ops.value_checks import should_check
 
 __all__ = [
     "FlashAttnArgumentError",
@@ -52,33 +61,76 @@ def _check(ok: bool, message: str) -> None:
         raise FlashAttnArgumentError(message)
 
 
-def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, alibi_slopes: Tensor | None) -> None:
-    """flash-attn's checks shared by every function (before any kernel runs)."""
+def _shown(value) -> str:
+    """``value`` for an error message (a tensor by its shape and dtype, not its values)."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} {value.dtype}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
+
+
+def _python(value, kind: type):
+    """``value`` (a NumPy number, say) as ``kind``; ints, floats and symbolic numbers as they are."""
+    return value if isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) else kind(value)
+
+
+def _contiguous(t):
+    """flash-attn's ``maybe_contiguous``: a tensor with a contiguous last dim."""
+    return t.contiguous() if isinstance(t, Tensor) and t.dim() and t.stride(-1) != 1 else t
+
+
+def _check_devices(q: Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.device != q.device:
+            raise FlashAttnArgumentError(f"{name} must be on q's device {q.device}, got {name} on {t.device}")
+
+
+def _check_common(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, alibi_slopes: Tensor | None,
+                  names: tuple[str, str, str] = ("q", "k", "v")) -> None:
+    """flash-attn's checks shared by every function (before any kernel runs); ``names``:
+    the arguments ``q``, ``k``, ``v`` as the caller passed them."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p={dropout_p}: compiled_attn has no attention dropout (use 0.0)")
     if alibi_slopes is not None and alibi_slopes.dim() != 1:
         raise NotImplementedError(f"alibi_slopes of shape {tuple(alibi_slopes.shape)}: only (nheads,) slopes "
                                   "are supported, not per-batch (batch_size, nheads)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    q_name, k_name, v_name = names
+    for name, t in zip(names, (q, k, v)):
         _check(isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}")
         _check(t.dtype in (torch.float16, torch.bfloat16, torch.float32),
                f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-        _check(t.stride(-1) == 1, f"{name} must have contiguous last dimension, got strides {t.stride()}")
-    _check(q.dtype == k.dtype == v.dtype, f"query and key/value must have the same dtype, got {q.dtype}, "
-                                          f"{k.dtype}, {v.dtype}")
-    _check(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check(q.shape[-1] == k.shape[-1], f"q and k must have the same head size, got {q.shape[-1]} and {k.shape[-1]}")
-    _check(q.shape[-2] % k.shape[-2] == 0,
-           f"Number of heads in key/value ({k.shape[-2]}) must divide number of heads in query ({q.shape[-2]})")
+    _check(q.dtype == k.dtype == v.dtype, f"query and key/value must have the same dtype, got {q_name} {q.dtype}, "
+                                          f"{k_name} {k.dtype}, {v_name} {v.dtype}")
+    _check(k.shape == v.shape, f"{k_name} and {v_name} must have the same shape, got {tuple(k.shape)} and "
+                               f"{tuple(v.shape)}")
+    _check(q.shape[-1] == k.shape[-1],
+           f"{q_name} and {k_name} must have the same head size, got {q.shape[-1]} and {k.shape[-1]}")
+    _check(q.shape[-2] % k.shape[-2] == 0, f"Number of heads in key/value ({k_name}: {k.shape[-2]}) must divide "
+                                           f"number of heads in query ({q_name}: {q.shape[-2]})")
+    _check_devices(q, **{k_name: k, v_name: v}, alibi_slopes=alibi_slopes)
 
 
-def _options(q: Tensor, softmax_scale, causal, window_size, softcap, alibi_slopes) -> dict:
-    """Keyword arguments of our ops for flash-attn's options. Its defaults (no scale, softcap
-    0) stay defaults (``None``), so that a compiled call can reach the flash-attn backend
-    (``ops.varlen_attention``'s ``softcap``)."""
-    left, right = window_size
-    return dict(scale=softmax_scale, causal=bool(causal), window_size=(int(left), int(right)),
-                softcap=None if softcap == 0 else float(softcap), alibi_slopes=alibi_slopes)
+def _options(softmax_scale, causal, window_size, softcap, alibi_slopes) -> dict:
+    """Keyword arguments of our ops for flash-attn's options (numbers as Python numbers).
+    Its defaults (no scale, softcap 0) stay defaults (``None``), so that a compiled call
+    can reach the flash-attn backend (``ops.varlen_attention``'s ``softcap``)."""
+    # (messages built only on failure: traced numbers have no repr while compiling)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(_is_int, window_size))):
+        raise FlashAttnArgumentError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if not (softmax_scale is None or _is_real(softmax_scale)):
+        raise FlashAttnArgumentError(f"softmax_scale must be a real number or None, got {_shown(softmax_scale)}")
+    if not _is_real(softcap):
+        raise FlashAttnArgumentError(f"softcap must be a real number, got {_shown(softcap)}")
+    return dict(scale=None if softmax_scale is None else _python(softmax_scale, float), causal=bool(causal),
+                window_size=tuple(_python(w, int) for w in window_size),
+                softcap=None if softcap == 0 else _python(softcap, float), alibi_slopes=alibi_slopes)
 
 
 def _run(fn, *args, **kwargs) -> Tensor:
@@ -150,16 +202,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         Differentiable in q, k, v.
 
     Raises:
-        FlashAttnArgumentError: shapes, dtypes or strides flash-attn rejects.
+        FlashAttnArgumentError: shapes, dtypes, devices or options flash-attn rejects.
         NotImplementedError: ``dropout_p > 0``, per-batch ALiBi slopes.
     """
+    q, k, v = (_contiguous(t) for t in (q, k, v))
     _check_common(q, k, v, dropout_p, alibi_slopes)
     _check(q.dim() == 4 and k.dim() == 4 and q.shape[0] == k.shape[0],
            f"q must be (batch_size, seqlen_q, nheads, headdim) and k, v (batch_size, seqlen_k, nheads_k, headdim), "
            f"got {tuple(q.shape)} and {tuple(k.shape)}")
     batch, seqlen_q, num_heads, head_size = q.shape
     seqlen_k = k.shape[1]
-    options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options = _options(softmax_scale, causal, window_size, softcap, alibi_slopes)
     out = _run(ops.varlen_attention, q.reshape(batch * seqlen_q, num_heads, head_size), k.flatten(0, 1),
                v.flatten(0, 1), _uniform_cu_seqlens(batch, seqlen_q, q.device),
                _uniform_cu_seqlens(batch, seqlen_k, q.device), **options).view(q.shape)
@@ -183,7 +236,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``block_table``, paged caches ``(num_blocks, page_block_size, nheads_k,
             headdim)`` where sequence ``b`` has ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``
             keys in blocks ``block_table[b]``.
-        cu_seqlens_q, cu_seqlens_k: ``(batch_size + 1,)`` int32.
+        cu_seqlens_q, cu_seqlens_k: ``(batch_size + 1,)`` int32 (``[0]``: no sequence).
+            q, k, v may hold rows past ``cu_seqlens[-1]`` (padding to a static shape):
+            their output is zeros (``softmax_lse`` ``+inf``) when values are checked
+            (see the module docstring: finding the rows reads ``cu_seqlens[-1]``),
+            otherwise unspecified, as flash-attn's (and the CPU reference kernel rejects
+            them).
         max_seqlen_q, max_seqlen_k: ints, bounds of the lengths (our kernels do not need
             them; the ``softmax_lse`` pass does not either).
         block_table: ``(batch_size, max_num_blocks_per_seq)`` int32, or ``None``.
@@ -191,50 +249,51 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``, or ``(out, softmax_lse, None)`` with
-        ``softmax_lse`` ``(nheads, total_q)`` (eager only). Differentiable without
+        ``softmax_lse`` ``(nheads, total_q)`` (eager only: it reads ``cu_seqlens`` on the
+        host, also with ``COMPILED_ATTN_CHECK_VALUES=0``). Differentiable without
         ``block_table``.
 
     Raises:
         FlashAttnArgumentError: as :func:`flash_attn_func`, and cu_seqlens that are not
-        int32 or not ``batch_size + 1`` long, a block table too small for the keys.
+        1-D int32 tensors of ``batch_size + 1 >= 1`` entries, a block table of the wrong
+        shape or (values checked) too small for the keys.
         NotImplementedError: as :func:`flash_attn_func`; ``return_attn_probs`` while compiling.
     """
+    q, k, v = (_contiguous(t) for t in (q, k, v))
     _check_common(q, k, v, dropout_p, alibi_slopes)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check(isinstance(cu, Tensor) and cu.dtype == torch.int32 and cu.dim() == 1,
-               f"{name} must be a 1-D int32 tensor, got {getattr(cu, 'dtype', type(cu).__name__)}")
+        if not (isinstance(cu, Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.numel() >= 1):
+            raise FlashAttnArgumentError(f"{name} must be a 1-D int32 tensor of batch_size + 1 >= 1 entries, "
+                                         f"got {_shown(cu)}")
     _check(cu_seqlens_q.shape == cu_seqlens_k.shape,
            f"cu_seqlens_q and cu_seqlens_k must both be (batch_size + 1,), got {tuple(cu_seqlens_q.shape)} and "
            f"{tuple(cu_seqlens_k.shape)}")
-    options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    if not torch.compiler.is_compiling() and values_readable(cu_seqlens_q) and cu_seqlens_q.numel():
-        # flash-attn allows buffers longer than the tokens (rows past cu_seqlens[-1], e.g.
-        # padding to a static shape); eagerly they are left out and their output is zeros
-        # (compiled, our ops leave those rows unspecified, as flash-attn does).
+    batch = cu_seqlens_q.shape[0] - 1
+    if not (block_table is None or (isinstance(block_table, Tensor) and block_table.dtype == torch.int32
+                                    and block_table.dim() == 2 and block_table.shape[0] == batch)):
+        raise FlashAttnArgumentError(f"block_table must be an int32 tensor of shape (batch_size={batch}, "
+                                     f"max_num_blocks_per_seq), got {_shown(block_table)}")
+    _check_devices(q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    options = _options(softmax_scale, causal, window_size, softcap, alibi_slopes)
+    q_used, k_used, v_used = q, k, v
+    if should_check(cu_seqlens_q):  # leave out rows past the tokens (a host read)
         used_q, used_k = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
-        if used_q < q.shape[0] or (block_table is None and used_k < k.shape[0]):
-            keys = slice(None) if block_table is not None else slice(0, used_k)
-            out = flash_attn_varlen_func(q[:used_q], k[keys], v[keys], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
-                                         alibi_slopes, deterministic, return_attn_probs, block_table)
-            out, rest = (out, ()) if not return_attn_probs else (out[0], out[1:])
-            full = torch.cat((out, out.new_zeros(q.shape[0] - used_q, *out.shape[1:])))
-            if not return_attn_probs:
-                return full
-            lse = torch.cat((rest[0], rest[0].new_full((rest[0].shape[0], q.shape[0] - used_q), torch.inf)), dim=1)
-            return full, lse, None
+        q_used = q[:used_q]
+        if block_table is None:
+            k_used, v_used = k[:used_k], v[:used_k]
     if block_table is None:
-        out = _run(ops.varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        out = _run(ops.varlen_attention, q_used, k_used, v_used, cu_seqlens_q, cu_seqlens_k, **options)
     else:
-        _check(block_table.dtype == torch.int32, f"block_table must have dtype torch.int32, got {block_table.dtype}")
         seq_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        out = _run(ops.paged_attention, q, k, v, cu_seqlens_q, seq_lens, block_table, **options)
+        out = _run(ops.paged_attention, q_used, k, v, cu_seqlens_q, seq_lens, block_table, **options)
+    if out.shape[0] < q.shape[0]:
+        out = torch.cat((out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])))
     if not return_attn_probs:
         return out
     if torch.compiler.is_compiling():
         raise NotImplementedError("return_attn_probs=True in flash_attn_varlen_func is eager-only "
                                   "(its softmax_lse pass loops over sequences on the host)")
-    lse = []
+    lse = torch.full((q.shape[1], q.shape[0]), torch.inf, device=q.device)  # rows of no sequence: +inf
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(),
                                              cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())):
         if block_table is None:
@@ -242,9 +301,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         else:
             keys = k[block_table[b].long()].flatten(0, 1)[: k1 - k0]
         end = torch.tensor([k1 - k0], device=q.device)
-        lse.append(_dense_lse(q[None, q0:q1], keys[None], torch.zeros_like(end), end, options["scale"],
-                              options["causal"], options["window_size"], options["softcap"], alibi_slopes)[0])
-    return out, torch.cat(lse, dim=1), None
+        lse[:, q0:q1] = _dense_lse(q[None, q0:q1], keys[None], torch.zeros_like(end), end, options["scale"],
+                                   options["causal"], options["window_size"], options["softcap"], alibi_slopes)[0]
+    return out, lse, None
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -286,6 +345,22 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 # --- KV cache -------------------------------------------------------------------------------
 
 
+def _check_kvcache_values(cache_seqlens: Tensor, seqlen_new: int, capacity: int, where: str,
+                          cache_batch_idx: Tensor | None, cache_rows: int, cache_leftpad: Tensor | None) -> None:
+    """flash_attn_with_kvcache's bounds on the values of its metadata (host reads: called
+    only where :func:`~compiled_attn.ops.value_checks.should_check`)."""
+    if not bool(((cache_seqlens >= 0) & (cache_seqlens + seqlen_new <= capacity)).all()):
+        raise FlashAttnArgumentError(
+            f"cache_seqlens must be >= 0 and cache_seqlens + seqlen_new ({seqlen_new}) must fit the {where} "
+            f"({capacity} keys), got cache_seqlens {cache_seqlens.tolist()}")
+    if cache_batch_idx is not None and not bool(((cache_batch_idx >= 0) & (cache_batch_idx < cache_rows)).all()):
+        raise FlashAttnArgumentError(f"cache_batch_idx must hold rows of k_cache in [0, {cache_rows}), got "
+                                     f"{cache_batch_idx.tolist()}")
+    if cache_leftpad is not None and not bool(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all()):
+        raise FlashAttnArgumentError(f"cache_leftpad must lie in [0, cache_seqlens]; got {cache_leftpad.tolist()} "
+                                     f"for cache_seqlens {cache_seqlens.tolist()}")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -297,38 +372,49 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``block_table[b]`` of a paged cache. If ``k``/``v`` are given they are written into the
     cache in place at positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1``;
     then ``q`` attends to the keys ``cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1``
-    (bottom-right aligned when causal), rows beyond ignored.
+    (bottom-right aligned when causal), rows beyond ignored. No gradient, as flash-attn's
+    kvcache function: ``k``/``v`` are written detached and the output carries no autograd
+    graph (also for a ``q`` that requires grad).
 
     Args:
         q: ``(batch_size, seqlen_q, nheads, headdim)``.
         k_cache, v_cache: ``(batch_size_cache, seqlen_cache, nheads_k, headdim)``, or paged
-            ``(num_blocks, page_block_size, nheads_k, headdim)`` with ``block_table``.
+            ``(num_blocks, page_block_size, nheads_k, headdim)`` with ``block_table``;
+            contiguous last dim.
         k, v: ``(batch_size, seqlen_new, nheads_k, headdim)`` or ``None``.
         rotary_cos, rotary_sin: must be ``None`` (``NotImplementedError``; apply rotary
             before the call); rotary_interleaved: then unused.
         cache_seqlens: int or ``(batch_size,)`` int32 cached lengths (before ``k``); ``None``
             (without ``k`` only): the whole row, ``seqlen_cache`` or the whole block table.
-        cache_batch_idx: ``(batch_size,)`` int32 rows of a non-paged cache.
+        cache_batch_idx: ``(batch_size,)`` int32 rows of a non-paged cache; default row
+            ``b`` (then ``batch_size <= batch_size_cache``).
         cache_leftpad: ``(batch_size,)`` int32 first valid cache position (non-paged, cache
             contiguous in its first two dims).
         block_table: ``(batch_size, max_num_blocks_per_seq)`` int32.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`.
         num_splits: no effect.
         return_softmax_lse: also return ``softmax_lse`` ``(batch_size, nheads, seqlen_q)``.
+        Tensors are on q's device.
 
     Returns:
         ``out`` ``(batch_size, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
 
     Raises:
-        FlashAttnArgumentError: shapes or dtypes flash-attn rejects, ``block_table`` with
-        ``cache_batch_idx`` or ``cache_leftpad``, and (eager) keys beyond the cache or the
-        block table.
-        NotImplementedError: rotary arguments, per-batch ALiBi slopes.
+        FlashAttnArgumentError: shapes, dtypes or devices flash-attn rejects, ``block_table``
+        with ``cache_batch_idx`` or ``cache_leftpad``, and (values checked, see the module
+        docstring) ``cache_seqlens`` negative or reaching beyond the cache or the block
+        table, ``cache_batch_idx`` outside the cache, ``cache_leftpad`` outside
+        ``[0, cache_seqlens]``.
+        NotImplementedError: rotary arguments, per-batch ALiBi slopes, ``cache_leftpad``
+        with a cache not contiguous in its first two dims.
     """
     if rotary_cos is not None or rotary_sin is not None:
         raise NotImplementedError("rotary_cos/rotary_sin: compiled_attn applies no rotary inside "
                                   "flash_attn_with_kvcache; rotate q and k before the call")
-    _check_common(q, k_cache, v_cache, 0.0, alibi_slopes)
+    q, k, v = (_contiguous(t) for t in (q, k, v))
+    _check_common(q, k_cache, v_cache, 0.0, alibi_slopes, names=("q", "k_cache", "v_cache"))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(cache.stride(-1) == 1, f"{name} must have contiguous last dimension, got strides {cache.stride()}")
     _check(q.dim() == 4 and k_cache.dim() == 4,
            f"q must be (batch_size, seqlen_q, nheads, headdim) and k_cache 4-D, got {tuple(q.shape)} and "
            f"{tuple(k_cache.shape)}")
@@ -336,12 +422,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch, seqlen_q, num_heads, head_size = q.shape
     paged = block_table is not None
     device = q.device
+    _check_devices(q, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                   block_table=block_table)
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if not (t is None or (isinstance(t, Tensor) and t.dtype == torch.int32 and t.shape == (batch,))):
+            raise FlashAttnArgumentError(f"{name} must be an int32 tensor of shape (batch_size,) = ({batch},), "
+                                         f"got {_shown(t)}")
     if paged:
         _check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
         _check(cache_leftpad is None, "Paged KVcache does not support cache_leftpad")
-        _check(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == batch,
-               f"block_table must be (batch_size={batch}, max_num_blocks_per_seq) int32, got "
-               f"{tuple(block_table.shape)} {block_table.dtype}")
+        if not (isinstance(block_table, Tensor) and block_table.dtype == torch.int32 and block_table.dim() == 2
+                and block_table.shape[0] == batch):
+            raise FlashAttnArgumentError(f"block_table must be (batch_size={batch}, max_num_blocks_per_seq) int32, "
+                                         f"got {_shown(block_table)}")
+    else:
+        _check(cache_batch_idx is not None or batch <= k_cache.shape[0],
+               f"k_cache has {k_cache.shape[0]} rows (batch_size_cache) for batch_size {batch}: sequence b reads "
+               "row b, unless cache_batch_idx picks the rows")
+    if cache_leftpad is not None and not all(c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache)):
+        raise NotImplementedError(f"cache_leftpad with k_cache/v_cache not contiguous in their first two dims "
+                                  f"(strides {k_cache.stride()}, {v_cache.stride()}) is not supported")
     seqlen_new = 0 if k is None else k.shape[1]
     if k is not None:
         _check_common(q, k, v, 0.0, None)
@@ -349,13 +449,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                f"k must be (batch_size={batch}, seqlen_new, {k_cache.shape[2]}, {head_size}), got {tuple(k.shape)}")
     if cache_seqlens is None:  # flash-attn: every row full (a paged row: its whole block table)
         _check(k is None, "If key is supplied, cache_seqlens must also be passed in")
-        full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-        cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=device)
-    elif isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    _check(cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (batch,),
-           f"cache_seqlens must be an int or (batch_size={batch},) int32, got {tuple(cache_seqlens.shape)} "
-           f"{cache_seqlens.dtype}")
+        cache_seqlens = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if _is_int(cache_seqlens):
+        cache_seqlens = torch.full((batch,), _python(cache_seqlens, int), dtype=torch.int32, device=device)
+    if not (isinstance(cache_seqlens, Tensor) and cache_seqlens.dtype == torch.int32
+            and cache_seqlens.shape == (batch,)):
+        raise FlashAttnArgumentError(f"cache_seqlens must be an int or an int32 tensor of shape (batch_size,) = "
+                                     f"({batch},), got {_shown(cache_seqlens)}")
+    # No autograd, as flash-attn: the cache is written with, and attention runs on, detached tensors.
+    q, k_cache, v_cache, k, v, alibi_slopes = (None if t is None else t.detach()
+                                               for t in (q, k_cache, v_cache, k, v, alibi_slopes))
+    options = _options(softmax_scale, causal, window_size, softcap, alibi_slopes)
     key_end = cache_seqlens + seqlen_new  # [B]: keys 0 .. end - 1 of each row
     positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)  # new keys' positions
     if paged:
@@ -370,9 +474,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_leftpad is None:  # each row one block of seqlen_cache tokens
             table, blocks = rows[:, None], k_cache
         else:  # one block per token, so that a row's keys may start at cache_leftpad[b]
-            _check(k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
-                   and v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1),
-                   "cache_leftpad needs k_cache and v_cache contiguous in their first two dims")
             table = (rows[:, None] * k_cache.shape[1] + cache_leftpad[:, None]
                      + torch.arange(k_cache.shape[1], device=device, dtype=torch.int32))
             table = table.clamp(max=k_cache.shape[0] * k_cache.shape[1] - 1).to(torch.int32)
@@ -380,21 +481,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             key_end = key_end - cache_leftpad
         if seqlen_new:
             slots = rows.long()[:, None] * k_cache.shape[1] + positions
-    if not torch.compiler.is_compiling() and values_readable(cache_seqlens):
-        if cache_batch_idx is not None and batch:
-            _check(cache_batch_idx.dtype == torch.int32 and bool(((cache_batch_idx >= 0)
-                                                                 & (cache_batch_idx < k_cache.shape[0])).all()),
-                   f"cache_batch_idx must be int32 rows in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
-        if cache_leftpad is not None and batch:
-            _check(bool(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all()),
-                   f"cache_leftpad must lie in [0, cache_seqlens]; got {cache_leftpad.tolist()} for cache_seqlens "
-                   f"{cache_seqlens.tolist()}")
-        longest = int((cache_seqlens + seqlen_new).max()) if batch else 0
-        _check(longest <= capacity, f"cache_seqlens + seqlen_new reaches {longest} keys, beyond the "
-                                    f"{'block table' if paged else 'cache'} ({capacity} keys)")
+    if should_check(cache_seqlens):
+        _check_kvcache_values(cache_seqlens, seqlen_new, capacity, "block table" if paged else "cache",
+                              cache_batch_idx, k_cache.shape[0], cache_leftpad)
     if seqlen_new:  # slots of the cache viewed as blocks: a non-paged row is one block of seqlen_cache
         _run(ops.reshape_and_cache, k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots.flatten())
-    options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
     v_blocks = v_cache.view(blocks.shape)
     out = _run(ops.paged_attention, q.reshape(batch * seqlen_q, num_heads, head_size), blocks, v_blocks,
                _uniform_cu_seqlens(batch, seqlen_q, device), key_end.to(torch.int32), table, **options)
@@ -405,3 +496,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = _dense_lse(q, keys, torch.zeros_like(key_end), key_end, options["scale"], options["causal"],
                      options["window_size"], options["softcap"], alibi_slopes)
     return out, lse
+

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oracle import assert_close_to_oracle, oracle_attention, visibility_mask
 from paged_batches import randn_nonzero
@@ -310,7 +312,7 @@ def test_kvcache_argument_errors_use_flash_attns_names():
     call, _ = kvcache_case(g, "cpu", paged=False, batch_idx=True, leftpad=True, new=0)
     with pytest.raises(RuntimeError, match="cache_leftpad must lie in"):
         flash_attn_with_kvcache(**{**call, "cache_leftpad": torch.tensor([9, 0, 0], dtype=torch.int32)})
-    with pytest.raises(RuntimeError, match="cache_batch_idx must be int32 rows"):
+    with pytest.raises(RuntimeError, match=r"cache_batch_idx must hold rows of k_cache in \[0, 4\)"):
         flash_attn_with_kvcache(**{**call, "cache_batch_idx": torch.tensor([5, 0, 1], dtype=torch.int32)})
 
 
@@ -340,3 +342,214 @@ def test_compiled_calls_at_flash_attn_defaults_give_our_op_floats():
         torch.compile(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, **kwargs),
                       backend=backend, fullgraph=True)(q, k, v)
         assert seen == [floats], kwargs
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of a tensor value on the host (``int(t)``, ``bool(t)``, ``t.item()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def interface_calls():
+    """(name, make, whether the interface checks values on the host); ``make()`` builds fresh
+    inputs and returns the call, which returns the tensors to compare."""
+    def func():
+        g = torch.Generator().manual_seed(13)
+        q, k = rand((2, 5, H, D), g, "cpu"), rand((2, 9, HKV, D), g, "cpu")
+        return lambda: flash_attn_func(q, k, k, causal=True, return_attn_probs=True)[:2]
+
+    def varlen():
+        q, k, v, cu_q, cu_k = varlen_batch(torch.Generator().manual_seed(15), "cpu")
+        return lambda: [flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, causal=True)]
+
+    def varlen_paged():
+        q, k, v, cu_q, cu_k = varlen_batch(torch.Generator().manual_seed(15), "cpu")
+        table = (cu_k[:-1, None] + torch.arange(10)).clamp(max=20).to(torch.int32)  # blocks of one key
+        return lambda: [flash_attn_varlen_func(q, k[:, None], v[:, None], cu_q, cu_k, 7, 10, causal=True,
+                                               block_table=table)]
+
+    def kvcache(layout):
+        def make():
+            call, _ = kvcache_case(torch.Generator().manual_seed(16), "cpu", new=3, **KVCACHE_LAYOUTS[layout])
+            return lambda: [*flash_attn_with_kvcache(**call, causal=True, return_softmax_lse=True), call["k_cache"],
+                            call["v_cache"]]
+        return make
+
+    return ([("flash_attn_func", func, False), ("varlen", varlen, True), ("varlen-paged", varlen_paged, True)]
+            + [(f"kvcache-{layout}", kvcache(layout), True) for layout in KVCACHE_LAYOUTS])
+
+
+@pytest.mark.parametrize("name, make, checks", interface_calls(), ids=[c[0] for c in interface_calls()])
+def test_value_checks_off_read_no_device_value(name, make, checks, monkeypatch):
+    """``COMPILED_ATTN_CHECK_VALUES=0`` (as a CUDA-graph capture or compiling) turns off every
+    host read of a tensor value the interface makes, and the result stays the same."""
+    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", "1")
+    call = make()
+    with HostReads() as on:
+        want = call()
+    assert (on.count > 0) == checks  # the counter sees the interface's checks
+    monkeypatch.setenv("COMPILED_ATTN_CHECK_VALUES", "0")
+    call = make()
+    with HostReads() as off:
+        got = call()
+    assert off.count == 0
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kvcache_has_no_autograd_as_flash_attn():
+    """Appending grad-requiring k/v leaves the cache a leaf without grad; outputs carry no graph."""
+    g = torch.Generator().manual_seed(17)
+    k_cache, v_cache = rand((2, 8, HKV, D), g, "cpu"), rand((2, 8, HKV, D), g, "cpu")
+    q = rand((2, 1, H, D), g, "cpu").requires_grad_()
+    appended = []
+    for step in range(3):
+        k, v = (rand((2, 1, HKV, D), g, "cpu").requires_grad_() for _ in range(2))
+        appended.append((k.detach(), v.detach()))
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True,
+                                           cache_seqlens=torch.tensor([step, 4 + step], dtype=torch.int32))
+        assert not out.requires_grad and out.grad_fn is None and not lse.requires_grad
+    for cache in (k_cache, v_cache):
+        assert cache.is_leaf and not cache.requires_grad and cache.grad_fn is None
+    for i, cache in enumerate((k_cache, v_cache)):
+        new = torch.cat([kv[i] for kv in appended], dim=1)  # [2, 3, HKV, D]
+        assert torch.equal(cache[0, 0:3], new[0]) and torch.equal(cache[1, 4:7], new[1])
+    for b, end in enumerate((3, 7)):  # the last call saw the keys appended so far
+        assert_close_to_oracle(out[b], expected(q[b].detach(), k_cache[b, :end], v_cache[b, :end], False,
+                                                (-1, -1), 0.0, None))
+
+
+def test_compiled_kvcache_call_with_a_grad_requiring_query_equals_eager():
+    g = torch.Generator().manual_seed(18)
+    k_cache, v_cache = rand((2, 8, HKV, D), g, "cpu"), rand((2, 8, HKV, D), g, "cpu")
+    cache_seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    q = rand((2, 2, H, D), g, "cpu").requires_grad_()
+    torch._dynamo.reset()
+    got = torch.compile(lambda q: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                                          causal=True), fullgraph=True)(q)
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b, end in enumerate((3, 6)):
+        assert_close_to_oracle(want[b], expected(q[b].detach(), k_cache[b, :end], v_cache[b, :end], True,
+                                                 (-1, -1), 0.0, None))
+
+
+def last_dim_strided(t):
+    """``t``'s values with ``stride(-1) != 1``."""
+    out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert out.stride(-1) != 1 and torch.equal(out, t)
+    return out
+
+
+def test_inputs_flash_attn_accepts():
+    """q/k/v strided in the last dim are made contiguous; NumPy numbers are numbers."""
+    g = torch.Generator().manual_seed(19)
+    q, k, v = rand((2, 5, H, D), g, "cpu"), rand((2, 9, HKV, D), g, "cpu"), rand((2, 9, HKV, D), g, "cpu")
+    want = flash_attn_func(q, k, v, softmax_scale=0.125, window_size=(3, 1), softcap=2.0)
+    assert torch.equal(flash_attn_func(*map(last_dim_strided, (q, k, v)), softmax_scale=np.float32(0.125),
+                                       window_size=(np.int64(3), np.int32(1)), softcap=np.float64(2.0)), want)
+    qv, kv, vv, cu_q, cu_k = varlen_batch(g, "cpu")
+    assert torch.equal(flash_attn_varlen_func(*map(last_dim_strided, (qv, kv, vv)), cu_q, cu_k, 7, 10, causal=True),
+                       flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 7, 10, causal=True))
+    results = []
+    for convert, seqlens in ((lambda t: t, 3), (last_dim_strided, np.int64(3))):
+        cache_g = torch.Generator().manual_seed(20)
+        k_cache, v_cache = rand((2, 8, HKV, D), cache_g, "cpu"), rand((2, 8, HKV, D), cache_g, "cpu")
+        out = flash_attn_with_kvcache(convert(q[:, :2]), k_cache, v_cache, convert(k[:, :2]), convert(v[:, :2]),
+                                      cache_seqlens=seqlens, causal=True)
+        results.append((out, k_cache, v_cache))
+    (out, k_cache, v_cache), strided = results
+    assert all(torch.equal(a, b) for a, b in zip(strided, (out, k_cache, v_cache)))
+    assert torch.equal(k_cache[:, 3:5], k[:, :2]) and torch.equal(v_cache[:, 3:5], v[:, :2])
+    for b in range(2):
+        assert_close_to_oracle(out[b], expected(q[b, :2], k_cache[b, :5], v_cache[b, :5], True, (-1, -1), 0.0, None))
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+KVCACHE_ERRORS = {  # changes to a valid call (leftpad layout, 3 new keys): exception, message
+    "seqlens-float": (lambda c: dict(cache_seqlens=2.0), FlashAttnArgumentError,
+                      r"cache_seqlens must be an int or an int32 tensor of shape \(batch_size,\) = \(3,\), got float"),
+    "seqlens-list": (lambda c: dict(cache_seqlens=[1, 2, 3]), FlashAttnArgumentError, "got list"),
+    "seqlens-negative": (lambda c: dict(cache_seqlens=i32(5, -1, 11)), FlashAttnArgumentError,
+                         r"cache_seqlens must be >= 0 .* got cache_seqlens \[5, -1, 11\]"),
+    "seqlens-device": (lambda c: dict(cache_seqlens=torch.zeros(3, dtype=torch.int32, device="meta")),
+                       FlashAttnArgumentError, "cache_seqlens must be on q's device cpu, got cache_seqlens on meta"),
+    "leftpad-device": (lambda c: dict(cache_leftpad=torch.zeros(3, dtype=torch.int32, device="meta")),
+                       FlashAttnArgumentError, "cache_leftpad must be on q's device cpu, got cache_leftpad on meta"),
+    "batch-idx-device": (lambda c: dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32, device="meta")),
+                         FlashAttnArgumentError, "cache_batch_idx must be on q's device cpu"),
+    "leftpad-one": (lambda c: dict(cache_leftpad=i32(0)), FlashAttnArgumentError,
+                    r"cache_leftpad must be an int32 tensor of shape \(batch_size,\) = \(3,\), got a tensor of "
+                    r"shape \(1,\)"),
+    "leftpad-float": (lambda c: dict(cache_leftpad=torch.zeros(3)), FlashAttnArgumentError,
+                      "cache_leftpad must be an int32 .* torch.float32"),
+    "leftpad-int64": (lambda c: dict(cache_leftpad=torch.zeros(3, dtype=torch.int64)), FlashAttnArgumentError,
+                      "cache_leftpad must be an int32 .* torch.int64"),
+    "leftpad-2d": (lambda c: dict(cache_leftpad=torch.zeros(3, 1, dtype=torch.int32)), FlashAttnArgumentError,
+                   r"cache_leftpad must be .* got a tensor of shape \(3, 1\)"),
+    "leftpad-strided-cache": (lambda c: dict(k_cache=torch.zeros(4, 20, HKV, D)[:, :16],
+                                             v_cache=torch.zeros(4, 20, HKV, D)[:, :16]),
+                              NotImplementedError, "cache_leftpad with k_cache/v_cache not contiguous"),
+    "batch-idx-length": (lambda c: dict(cache_batch_idx=i32(0, 1)), FlashAttnArgumentError,
+                         r"cache_batch_idx must be an int32 tensor of shape \(batch_size,\) = \(3,\)"),
+    "batch-idx-int64": (lambda c: dict(cache_batch_idx=torch.tensor([2, 0, 3])), FlashAttnArgumentError,
+                        "cache_batch_idx must be an int32 .* torch.int64"),
+    "batch-over-cache-rows": (lambda c: dict(cache_batch_idx=None, cache_leftpad=None, k_cache=c["k_cache"][:2],
+                                             v_cache=c["v_cache"][:2]), FlashAttnArgumentError,
+                              "k_cache has 2 rows .* for batch_size 3"),
+    "k_cache-head-size": (lambda c: dict(k_cache=c["k_cache"][..., :16], v_cache=c["v_cache"][..., :16]),
+                          FlashAttnArgumentError, "q and k_cache must have the same head size, got 32 and 16"),
+    "v_cache-shape": (lambda c: dict(v_cache=c["v_cache"][:, :8]), FlashAttnArgumentError,
+                      "k_cache and v_cache must have the same shape"),
+    "window-triple": (lambda c: dict(window_size=(1, 2, 3)), FlashAttnArgumentError,
+                      r"window_size must be a pair of ints \(left, right\), got \(1, 2, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(KVCACHE_ERRORS))
+def test_kvcache_errors_name_the_argument_before_any_write(case):
+    change, error, message = KVCACHE_ERRORS[case]
+    call, _ = kvcache_case(torch.Generator().manual_seed(21), "cpu", new=3, **KVCACHE_LAYOUTS["leftpad"])
+    before = call["k_cache"].clone(), call["v_cache"].clone()
+    with pytest.raises(error, match=message) as raised:
+        flash_attn_with_kvcache(**{**call, **change(call)})
+    for internal in ("block_table", "slot_mapping", "seq_lens", "cu_seqlens"):  # never passed by the user
+        assert internal not in str(raised.value)
+    assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])
+
+
+def test_varlen_errors_name_the_argument():
+    q, k, v, cu_q, cu_k = varlen_batch(torch.Generator().manual_seed(22), "cpu")
+    for args, message in (
+        ((cu_q[None], cu_k[None]), r"cu_seqlens_q must be a 1-D int32 tensor .* got a tensor of shape \(1, 4\)"),
+        ((cu_q[:0], cu_k[:0]), r"cu_seqlens_q must be a 1-D int32 tensor of batch_size \+ 1 >= 1 entries, got a "
+                               r"tensor of shape \(0,\)"),
+        ((cu_q, cu_k.to("meta")), "cu_seqlens_k must be on q's device cpu, got cu_seqlens_k on meta"),
+    ):
+        with pytest.raises(FlashAttnArgumentError, match=message):
+            flash_attn_varlen_func(q, k, v, *args, 7, 10)
+    with pytest.raises(FlashAttnArgumentError, match="softmax_scale must be a real number or None, got str"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 10, softmax_scale="0.1")
+    with pytest.raises(FlashAttnArgumentError, match="window_size must be a pair"):
+        flash_attn_func(q[None], k[None], v[None], window_size=(1, 2, 3))
+
+
+def test_varlen_without_sequences():
+    """``cu_seqlens == [0]``: no sequence; every row (if any) is padding: zeros, lse ``+inf``."""
+    q, k, v, _, _ = varlen_batch(torch.Generator().manual_seed(23), "cpu")
+    cu = torch.zeros(1, dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(q[:0], k[:0], v[:0], cu, cu, 0, 0, return_attn_probs=True)
+    assert out.shape == (0, H, D) and lse.shape == (H, 0)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 0, 0, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and not out.any()
+    assert lse.shape == (H, q.shape[0]) and torch.isinf(lse).all() and (lse > 0).all()
