@@ -31,6 +31,7 @@ from compiled_attn.benchmark import BENCH_CONFIG
 from compiled_attn.engine import Engine
 from compiled_attn.models import build_random_model, random_model_config
 from compiled_attn.ops.arith import cdiv
+from compiled_attn.ops.backends import compiled_variants
 from compiled_attn.profiler import StepProfiler
 from compiled_attn.results import ResultRow, write_results
 from compiled_attn.sampling import SamplingParams
@@ -56,6 +57,7 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     the median wall time of steps that prefilled (mixed steps) and of decode steps."""
     start, pending, live = time.perf_counter(), list(arrivals), []
     step_ms = {"mixed": [], "decode": []}
+    variants, graphs = compiled_variants(), engine.compile_stats.graphs_compiled
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -81,7 +83,9 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
                       for kind, ms in step_ms.items() if ms)
     print(f"served {len(records)} requests in {seconds:.1f} s, {tokens} tokens; TTFT median "
-          f"{ttft[len(ttft) // 2] * 1e3:.1f} ms; {steps}", flush=True)  # progress, should a later run not finish
+          f"{ttft[len(ttft) // 2] * 1e3:.1f} ms; {steps}; compiled while serving: "
+          f"{compiled_variants() - variants} Triton variants, "
+          f"{engine.compile_stats.graphs_compiled - graphs} graphs", flush=True)  # progress, should a later run not finish
     return records, seconds, tokens
 
 

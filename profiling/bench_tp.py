@@ -58,6 +58,8 @@ def main() -> None:
     engine = Engine(model, max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max_batch,
                     num_blocks=max_batch * cdiv(args.prompt_len + args.new_tokens, 16) + 8,
                     compile=True, cuda_graphs=cuda)
+    if tp.rank == 0:  # progress: compiling and capturing the 8 B model takes a while
+        print(f"tp={tp.world_size}: engine warmed up in {engine.warmup_seconds:.0f} s", flush=True)
     for batch in args.batch_sizes:
         prompts = [[(7 * i + j) % config.vocab_size for j in range(args.prompt_len)] for i in range(batch)]
         params = SamplingParams(max_new_tokens=args.new_tokens)

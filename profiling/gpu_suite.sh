@@ -253,7 +253,7 @@ ids = [[c["generated_ids"] for c in json.loads([l for l in open(p) if l.startswi
 print("TP=2 greedy tokens equal TP=1:", ids[0] == ids[1], "over", sum(map(len, ids[0])), "tokens")
 PY
     for n in 1 2; do
-        run tp_bench_$n 270 python3 -m torch.distributed.run --nproc-per-node $n "$repo/profiling/bench_tp.py" \
+        run tp_bench_$n 300 python3 -m torch.distributed.run --nproc-per-node $n "$repo/profiling/bench_tp.py" \
             --out "$out/results/tp_decode.jsonl"
     done
     echo "== summary"
