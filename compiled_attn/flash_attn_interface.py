@@ -240,8 +240,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v may hold rows past ``cu_seqlens[-1]`` (padding to a static shape):
             their output is zeros (``softmax_lse`` ``+inf``) when values are checked
             (see the module docstring: finding the rows reads ``cu_seqlens[-1]``),
-            otherwise unspecified, as flash-attn's (and the CPU reference kernel rejects
-            them).
+            otherwise unspecified on CUDA, as flash-attn's (zeros on the CPU).
         max_seqlen_q, max_seqlen_k: ints, bounds of the lengths (our kernels do not need
             them; the ``softmax_lse`` pass does not either).
         block_table: ``(batch_size, max_num_blocks_per_seq)`` int32, or ``None``.

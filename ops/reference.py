@@ -90,8 +90,16 @@ def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_
 
     Returns:
         ``[T, Hq, D]`` or, differential, ``[T, Hq // 2, 2 * D]``: a new contiguous tensor
-        in the query's dtype.
+        in the query's dtype; rows past ``cu_seqlens_q[-1]`` are zeros.
     """
+    used = int(cu_seqlens_q[-1])
+    if used < query.shape[0]:  # rows past the last sequence (a buffer padded to a static shape,
+        # values unchecked): zeros, where the CUDA kernels leave them unspecified
+        out = query.new_zeros(_out_shape(query, lambda_full is not None))
+        if used > 0:
+            out[:used] = _attend(query[:used], key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_full,
+                                 scale, causal, window_left, window_right, softcap, alibi_slopes)
+        return out
     dtype = _compute_dtype(query.dtype)
     differential = lambda_full is not None
     num_tokens, num_heads, head_size = query.shape

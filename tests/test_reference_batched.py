@@ -234,3 +234,23 @@ def test_varlen_gradients(differential):
     _, vjp = torch.func.vjp(f, *inputs)
     grads = vjp(torch.ones_like(f(*inputs)))
     assert len(grads) == len(inputs) and all(bool(torch.isfinite(x).all()) for x in grads)
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+def test_rows_past_the_last_sequence_are_zeros(differential):
+    """A query buffer padded past ``cu_seqlens_q[-1]`` (a static shape; eager checks reject
+    it, unchecked calls reach the kernel): the real rows as without the padding, the padded
+    rows zeros, for both kernels."""
+    batch = make_varlen_batch([3, 5, 1], num_heads=8, num_kv_heads=4, seed=4)
+    lam = make_lambda(8, per_pair=True) if differential else None
+    padding = torch.randn(4, *batch.q.shape[1:], dtype=batch.q.dtype)  # garbage rows, not zeros
+    padded = torch.cat((batch.q, padding))
+    out, expected = _varlen(batch, lam, qkv=(padded, batch.k, batch.v))
+    assert out.shape[0] == padded.shape[0]
+    assert_close_to_oracle(out[: batch.q.shape[0]], expected)
+    assert bool((out[batch.q.shape[0]:] == 0).all())
+    paged = make_paged_batch([(6, 3), (0, 2)], num_heads=8, num_kv_heads=4, seed=5)
+    query = torch.cat((paged.query, torch.randn(3, *paged.query.shape[1:], dtype=paged.query.dtype)))
+    out, expected = _paged(paged, lam, query=query)
+    assert_close_to_oracle(out[: paged.query.shape[0]], expected)
+    assert bool((out[paged.query.shape[0]:] == 0).all())
