@@ -18,9 +18,10 @@
 #   bash profiling/gpu_suite.sh flash    # flash-attn 4 carried in (.whl, see ../shared/tools/fa4_wheels.sh;
 #                                        # the tracked tree, 16 MiB with the default model, leaves 48 MiB a
 #                                        # call, so after `download` move .whl/fa4a/*.whl and a copy of the
-#                                        # script into .whl/fa4c; back to back: `bash .whl/fa4a/fa4_wheels.sh
-#                                        # stage` carry .whl/fa4a, the same with fa4c, then this call, carry
-#                                        # .whl/fa4b): backend tests, bench_kernels flash
+#                                        # script into .whl/fa4c; back to back: `mkdir -p /root/fa4 && cp
+#                                        # .whl/fa4a/cu13part_aa /root/fa4/` carry .whl/fa4a, `cp .whl/fa4c/*.whl
+#                                        # /root/fa4/` carry .whl/fa4c (the script's `stage` wants both in one
+#                                        # folder), then this call, carry .whl/fa4b): backend tests, bench_kernels flash
 #                                        # and the 1.1 B model's TTFT with and without it (FLASH_TESTS,
 #                                        # FLASH_BENCH, FLASH_TTFT=0 leave a part out)
 #   bash profiling/gpu_suite.sh host     # profiling/bench_host.py, the CLI on cuda with --profile
