@@ -36,6 +36,7 @@ from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
 from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
 from .sampling import SamplingParams, check_seed, sample
+from .request_sync import RequestSync
 from .scheduler import Chunk, Request, Scheduler
 from .warmup import warmup_batches
 
@@ -187,6 +188,8 @@ class Engine:
         self.timings = Timings()
         self._ids = itertools.count()
         self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
+        tp = getattr(model, "tp", None)  # tensor parallelism: rank 0's requests on every rank
+        self._sync = RequestSync(tp) if tp is not None and tp.world_size > 1 else None
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
     # --- requests ---------------------------------------------------------------------
@@ -229,7 +232,8 @@ class Engine:
                 f"{need} blocks of {allocator.block_size}, the cache has "
                 f"only {allocator.num_blocks} in all; raise num_blocks or lower max_new_tokens"
             )
-        self.scheduler.add(request)
+        if self._sync is None or self._sync.add(request):
+            self.scheduler.add(request)
         return request
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams, name: str) -> None:
@@ -247,7 +251,8 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether a :meth:`step` has work left: waiting or running requests, or a decode
         step in flight (whose tokens may still finish requests or have to be dropped)."""
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or (self._sync is not None and self._sync.pending))
 
     def blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
         """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance)."""
@@ -271,8 +276,16 @@ class Engine:
         step first (reads, appends, finishes), then runs what the scheduler picks: a mixed
         step when it holds a prefill chunk, else a decode step. A request may thus have one
         token too many sampled (past an EOS that was not read yet); :meth:`_drain` drops it,
-        so every output equals a synchronous engine's.
+        so every output equals a synchronous engine's. With tensor parallelism, every rank
+        first queues the requests rank 0 added since its last step
+        (:mod:`compiled_attn.request_sync`).
         """
+        if self._sync is not None:  # rank 0's new requests, before anything is decided
+            for request in self._sync.exchange():
+                self.scheduler.add(request)
+                self._ids = itertools.count(max(request.request_id + 1, next(self._ids)))
+            if self._sync.stopped:
+                return []
         running = self.scheduler.running
         if self._can_overlap():
             with self._decode_phase():
@@ -393,6 +406,29 @@ class Engine:
             self.scheduler.finish(r)
         return finished
 
+    def serve_worker(self) -> None:
+        """On a tensor-parallel rank other than 0: step in lock-step with rank 0, running
+        the requests rank 0 adds (:mod:`compiled_attn.request_sync`), until rank 0 calls
+        :meth:`stop_workers`. Each step waits for rank 0's next one.
+
+        Raises:
+            RuntimeError: no tensor parallelism, or called on rank 0.
+        """
+        if self._sync is None or self._sync.leader:
+            raise RuntimeError("serve_worker() runs on tensor-parallel ranks other than 0")
+        while not self._sync.stopped:
+            self.step()
+
+    def stop_workers(self) -> None:
+        """On tensor-parallel rank 0, once idle: end the other ranks' :meth:`serve_worker`.
+
+        Raises:
+            RuntimeError: no tensor parallelism, not rank 0, or requests still unfinished.
+        """
+        if self._sync is None or not self._sync.leader or self.has_unfinished():
+            raise RuntimeError("stop_workers() runs on tensor-parallel rank 0 once its requests are done")
+        self._sync.exchange(stop=True)
+
     def capture(self):
         """Capture the decode step for every capture size (done once, before the first
         decode step; it compiles the decode graph first when compiling)."""
@@ -493,4 +529,6 @@ class Engine:
             # blocks it writes is safe, see _finish).
             self._inflight = None
             self.scheduler.clear()
+            if self._sync is not None:
+                self._sync.clear()
         return requests, self.timings

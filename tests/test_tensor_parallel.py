@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 
 import pytest
@@ -131,3 +132,52 @@ def test_world_of_one_is_unchanged():
     model = build_random_model(GQA)
     assert shard_model(model, TensorParallel()) is model
     assert model.tp is None and all(getattr(m, "tp", None) is None for m in model.modules())
+
+
+def _serving_worker(rank: int, port: int, results: dict) -> None:
+    """Rank 0 adds requests between steps (a serving loop); rank 1 adds none and runs
+    serve_worker(); then rank 1 adds a request that differs from rank 0's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(WORLD, rank, backend="gloo")
+    try:
+        engine = Engine(shard_model(_model(GQA, True), tp), block_size=4, compile=False)
+        params = SamplingParams(max_new_tokens=6)
+        if rank == 0:
+            requests = [engine.add_request(PROMPTS[0], params, seed=0)]
+            for step in range(12):  # the others arrive while the first decodes
+                if step in (2, 5, 6):
+                    requests.append(engine.add_request(PROMPTS[len(requests)], params, seed=len(requests)))
+                engine.step()
+            while engine.has_unfinished():
+                engine.step()
+            engine.stop_workers()
+            results[rank] = [r.output_ids for r in requests]
+        else:
+            engine.serve_worker()
+            results[rank] = "stopped"
+        # every rank adds one more request; rank 1's prompt differs from rank 0's
+        engine.add_request(PROMPTS[0] if rank == 0 else PROMPTS[1], params)
+        try:
+            engine.step()
+            results[(rank, "mismatch")] = None
+        except RuntimeError as error:
+            results[(rank, "mismatch")] = str(error)
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_rank0_requests_reach_a_serving_worker():
+    """Requests that only rank 0 adds, at steps of its choosing, run on every rank in
+    lock-step (rank 1's serve_worker ends at rank 0's stop_workers), with the tokens of an
+    unsharded engine; a request another rank adds unlike rank 0's is a clear error."""
+    results = mp.Manager().dict()
+    mp.spawn(_serving_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    params = SamplingParams(max_new_tokens=6)
+    engine = Engine(_model(GQA, True), block_size=4, compile=False)
+    for i, prompt in enumerate(PROMPTS):  # greedy: each request's tokens do not depend on batching
+        assert results[0][i] == [c.output_ids for c in engine.generate([prompt], params)[0]][0], i
+    assert all(len(tokens) == 6 for tokens in results[0])
+    assert results[1] == "stopped"
+    # (rank 0 then fails in the step's first collective, its peer having left)
+    assert re.search(r"rank 1 added request \d+ unlike rank 0's", results[(1, "mismatch")])
