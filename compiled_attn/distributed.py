@@ -14,6 +14,7 @@ CUDA graph captures them. A :class:`TensorParallel` with ``world_size == 1`` nev
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import pickle
@@ -47,7 +48,7 @@ class TensorParallel:
 
 
 _TP = TensorParallel()
-_CPU_GROUPS: dict[str, dist.ProcessGroup | None] = {}  # group name -> its gloo twin (None: itself)
+_CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> its gloo twin
 
 
 def init_tensor_parallel(world_size: int | None = None, rank: int | None = None, backend: str | None = None,
@@ -85,9 +86,11 @@ def init_tensor_parallel(world_size: int | None = None, rank: int | None = None,
         raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
                          f"asked for rank {rank} of {world_size}")
     _TP = TensorParallel(rank, world_size, dist.group.WORLD.group_name)
-    # Host objects (broadcast_object) travel over gloo: over NCCL they would be staged through
-    # the GPU and wait for its stream (vLLM's "cpu_group").
-    _CPU_GROUPS[_TP.group_name] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    # Host objects (broadcast_object) travel over a gloo twin of the group: over NCCL they would
+    # be staged through the GPU and wait for its stream (vLLM's "cpu_group"). Its timeout is
+    # unbounded in practice: a tensor-parallel worker waits there for rank 0's next step,
+    # however long rank 0 stays idle.
+    _CPU_GROUPS[_TP.group_name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
     return _TP
 
 
@@ -126,6 +129,23 @@ def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tens
     return torch.cat(gathered.view(tp.world_size, *x.shape).unbind(0), dim=dim)
 
 
+def _cpu_group(tp: TensorParallel) -> dist.ProcessGroup:
+    if tp.group_name not in _CPU_GROUPS:
+        raise RuntimeError(f"no gloo twin of process group {tp.group_name!r}: make the group with "
+                           "init_tensor_parallel")
+    return _CPU_GROUPS[tp.group_name]
+
+
+def same_on_every_rank(obj, tp: TensorParallel) -> bool:
+    """Whether every rank's ``obj`` equals rank 0's (a broadcast and a gloo all-reduce; the
+    same answer on every rank)."""
+    if tp.world_size == 1:
+        return True
+    same = torch.tensor([int(broadcast_object(obj, tp) == obj)])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=_cpu_group(tp))
+    return bool(same.item())
+
+
 def broadcast_object(obj, tp: TensorParallel):
     """Rank 0's ``obj`` (any picklable object, or ``None``) on every rank of ``tp``'s group,
     over gloo (host memory, no GPU stream waits); ``obj`` itself when ``world_size == 1``.
@@ -134,7 +154,7 @@ def broadcast_object(obj, tp: TensorParallel):
     ms against 0.55 ms for ``broadcast_object_list``, which always sends two)."""
     if tp.world_size == 1:
         return obj
-    group = _CPU_GROUPS.get(tp.group_name)
+    group = _cpu_group(tp)
     data = pickle.dumps(obj) if tp.rank == 0 and obj is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)

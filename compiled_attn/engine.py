@@ -190,6 +190,10 @@ class Engine:
         self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
         tp = getattr(model, "tp", None)  # tensor parallelism: rank 0's requests on every rank
         self._sync = RequestSync(tp) if tp is not None and tp.world_size > 1 else None
+        if self._sync is not None:
+            self._sync.check_engine((self.max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+                                     enable_prefix_caching, compile, self.cuda_graphs, capture_sizes, async_decode,
+                                     str(self.kv_cache_dtype)))
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
     # --- requests ---------------------------------------------------------------------
@@ -221,9 +225,6 @@ class Engine:
         if params.n > self.max_num_seqs:
             raise ValueError(f"params.n={params.n} samples cannot run beside each other with "
                              f"max_num_seqs={self.max_num_seqs}")
-        request_id = next(self._ids)
-        seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
-        request = Request(request_id, prompt, params, seed)
         allocator = self.kv_cache.allocator
         need = self.blocks_reserved(len(prompt), params.max_new_tokens)
         if need > allocator.num_blocks:
@@ -232,8 +233,13 @@ class Engine:
                 f"{need} blocks of {allocator.block_size}, the cache has "
                 f"only {allocator.num_blocks} in all; raise num_blocks or lower max_new_tokens"
             )
-        if self._sync is None or self._sync.add(request):
+        request_id = next(self._ids)  # (taken once the request is valid)
+        seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
+        request = Request(request_id, prompt, params, seed)
+        if self._sync is None:
             self.scheduler.add(request)
+        else:  # the scheduler takes it from the next step's exchange, on every rank at once
+            self._sync.add(request)
         return request
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams, name: str) -> None:
@@ -281,9 +287,10 @@ class Engine:
         (:mod:`compiled_attn.request_sync`).
         """
         if self._sync is not None:  # rank 0's new requests, before anything is decided
-            for request in self._sync.exchange():
-                self.scheduler.add(request)
-                self._ids = itertools.count(max(request.request_id + 1, next(self._ids)))
+            with record_function("request_sync"):
+                for request in self._sync.exchange():
+                    self.scheduler.add(request)
+                    self._ids = itertools.count(max(request.request_id + 1, next(self._ids)))
             if self._sync.stopped:
                 return []
         running = self.scheduler.running
@@ -416,6 +423,7 @@ class Engine:
         """
         if self._sync is None or self._sync.leader:
             raise RuntimeError("serve_worker() runs on tensor-parallel ranks other than 0")
+        self._sync.stopped = False
         while not self._sync.stopped:
             self.step()
 

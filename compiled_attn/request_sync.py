@@ -3,24 +3,32 @@
 With tensor parallelism every rank runs the same :class:`~compiled_attn.engine.Engine` on its
 shard, and every rank's scheduler must take the same decisions at the same step, since each
 forward is a collective (issue 14: "rank 0 schedules and broadcasts the step's inputs").
-The scheduler is deterministic, so equal inputs suffice: at the start of each step rank 0
-broadcasts the requests added to it since its last step (:meth:`RequestSync.exchange`, over
-the group's gloo twin: :func:`~compiled_attn.distributed.broadcast_object`), and every other
-rank queues exactly those, in that order. Another rank may
+The scheduler is deterministic, so equal inputs suffice. A request added on any rank waits
+in a :class:`RequestSync` queue; at the start of each step rank 0 broadcasts the requests
+added to it since its last step (:meth:`RequestSync.exchange`, over the group's gloo twin:
+:func:`~compiled_attn.distributed.broadcast_object`), and every rank, rank 0 included, hands
+exactly those to its scheduler, in that order. Another rank may
 
-* add the same requests itself (the CLI and ``Engine.generate`` do, on every rank): such a
-  request waits until rank 0's arrives and must equal it (id, prompt, parameters, seed),
-  else a ``RuntimeError``; its results land in the rank's own request object;
+* add the same requests itself, in the same order (the CLI and ``Engine.generate`` do, on
+  every rank): each waits until rank 0's copy arrives, must have the same prompt and
+  sampling parameters (else a ``RuntimeError`` on that rank) and takes rank 0's id and
+  seed; its results land in the rank's own request object;
 * add none and run :meth:`Engine.serve_worker <compiled_attn.engine.Engine.serve_worker>`:
-  it steps in lock-step with rank 0 and runs what rank 0 adds, until rank 0 calls
+  it steps in lock-step with rank 0, for as long as rank 0 stays idle (no timeout), and
+  runs what rank 0 adds, until rank 0 calls
   :meth:`Engine.stop_workers <compiled_attn.engine.Engine.stop_workers>`.
 
-Each step costs one 8-byte gloo broadcast on the host, two when rank 0 has something new.
+Limits: requests are added from the thread that steps the engine; a request another rank
+adds that rank 0 never adds keeps that rank waiting; an error on one rank (a mismatch, an
+exception inside a step) leaves the group out of step: restart the processes. Each step
+costs one 8-byte gloo broadcast on the host, two when rank 0 has something new.
 """
 
 from __future__ import annotations
 
-from .distributed import TensorParallel, broadcast_object
+from collections import deque
+
+from .distributed import TensorParallel, broadcast_object, same_on_every_rank
 from .scheduler import Request
 
 
@@ -34,8 +42,7 @@ class RequestSync:
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
         self.stopped = False  # other ranks: rank 0 called stop_workers
-        self._added: list[Request] = []  # rank 0: added since its last exchange
-        self._expected: dict[int, Request] = {}  # other ranks: added here, not yet seen from rank 0
+        self._queued: deque[Request] = deque()  # added on this rank, not yet exchanged
 
     @property
     def leader(self) -> bool:
@@ -43,46 +50,57 @@ class RequestSync:
 
     @property
     def pending(self) -> bool:
-        """Requests added on this (non-zero) rank that rank 0 has not sent yet."""
-        return bool(self._expected)
+        """Requests added on this rank that have not reached its scheduler yet."""
+        return bool(self._queued)
 
-    def add(self, request: Request) -> bool:
-        """Note a request added on this rank; returns whether the scheduler takes it now
-        (rank 0) or only when rank 0's copy arrives (other ranks)."""
-        if self.leader:
-            self._added.append(request)
-            return True
-        self._expected[request.request_id] = request
-        return False
+    def add(self, request: Request) -> None:
+        """Queue a request added on this rank until the next :meth:`exchange`."""
+        self._queued.append(request)
 
-    def exchange(self, stop: bool = False) -> list[Request]:
-        """The step's broadcast (every rank calls it at the start of each step). Rank 0
-        sends its new requests (and ``stop``); another rank gets them and returns the
-        requests for its scheduler, its own where it added them.
+    def check_engine(self, settings: tuple) -> None:
+        """Raise on every rank unless every rank's engine ``settings`` equal rank 0's (the
+        schedule depends on them).
 
         Raises:
-            RuntimeError: this rank added a request unlike rank 0's of the same id.
+            RuntimeError: some rank's settings differ from rank 0's.
         """
-        message = None  # nothing new: the common step, one 8-byte broadcast
-        if self.leader and (stop or self._added):
-            message = (stop, [(r.request_id, r.prompt_ids, r.params, r.seed) for r in self._added])
+        if not same_on_every_rank(settings, self.tp):
+            raise RuntimeError(f"the engines of the tensor-parallel ranks differ (rank {self.tp.rank}: {settings}); "
+                               "build them with the same arguments on every rank")
+
+    def exchange(self, stop: bool = False) -> list[Request]:
+        """The step's broadcast: every rank calls it at the start of each step and gets the
+        requests for its scheduler, rank 0's new requests (on another rank its own objects
+        where it added them). ``stop`` (rank 0) ends the other ranks' ``serve_worker``.
+
+        Raises:
+            RuntimeError: this rank added a request unlike rank 0's in the same place.
+        """
+        message, sent = None, []  # nothing new: the common step, one 8-byte broadcast
+        if self.leader:
+            sent, self._queued = list(self._queued), deque()
+            if stop or sent:
+                message = (stop, [(r.request_id, r.prompt_ids, r.params, r.seed) for r in sent])
         message = broadcast_object(message, self.tp)
         if self.leader:
-            self._added.clear()
-            return []
+            return sent
         if message is None:
             return []
         self.stopped, received = message
         requests = []
         for request_id, prompt_ids, params, seed in received:
-            own = self._expected.pop(request_id, None)
-            if own is not None and (own.prompt_ids, own.params, own.seed) != (prompt_ids, params, seed):
-                raise RuntimeError(f"rank {self.tp.rank} added request {request_id} unlike rank 0's: every rank "
-                                   "must add the same requests in the same order, or none (Engine.serve_worker)")
-            requests.append(own if own is not None else Request(request_id, prompt_ids, params, seed))
+            if not self._queued:  # rank 0's alone (serve_worker)
+                requests.append(Request(request_id, prompt_ids, params, seed))
+                continue
+            own = self._queued.popleft()
+            if (own.prompt_ids, own.params) != (prompt_ids, params):
+                raise RuntimeError(f"rank {self.tp.rank} added request {own.request_id} unlike rank 0's "
+                                   f"{request_id}: every rank must add the same requests in the same order, "
+                                   "or none (Engine.serve_worker)")
+            own.request_id, own.seed = request_id, seed
+            requests.append(own)
         return requests
 
     def clear(self) -> None:
         """Forget requests not exchanged yet (an engine's ``generate`` that failed)."""
-        self._added.clear()
-        self._expected.clear()
+        self._queued.clear()

@@ -152,10 +152,15 @@ def _serving_worker(rank: int, port: int, results: dict) -> None:
             while engine.has_unfinished():
                 engine.step()
             engine.stop_workers()
-            results[rank] = [r.output_ids for r in requests]
+            again = engine.add_request(PROMPTS[1], params, seed=9)  # a second serving session
+            while engine.has_unfinished():
+                engine.step()
+            engine.stop_workers()
+            results[rank] = [r.output_ids for r in requests + [again]]
         else:
             engine.serve_worker()
-            results[rank] = "stopped"
+            engine.serve_worker()
+            results[rank] = "stopped twice"
         # every rank adds one more request; rank 1's prompt differs from rank 0's
         engine.add_request(PROMPTS[0] if rank == 0 else PROMPTS[1], params)
         try:
@@ -175,9 +180,31 @@ def test_rank0_requests_reach_a_serving_worker():
     mp.spawn(_serving_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
     params = SamplingParams(max_new_tokens=6)
     engine = Engine(_model(GQA, True), block_size=4, compile=False)
-    for i, prompt in enumerate(PROMPTS):  # greedy: each request's tokens do not depend on batching
+    for i, prompt in enumerate(PROMPTS + PROMPTS[1:2]):  # greedy: tokens do not depend on batching
         assert results[0][i] == [c.output_ids for c in engine.generate([prompt], params)[0]][0], i
     assert all(len(tokens) == 6 for tokens in results[0])
-    assert results[1] == "stopped"
+    assert results[1] == "stopped twice"
     # (rank 0 then fails in the step's first collective, its peer having left)
     assert re.search(r"rank 1 added request \d+ unlike rank 0's", results[(1, "mismatch")])
+
+
+def _settings_worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(WORLD, rank, backend="gloo")
+    try:
+        Engine(shard_model(_model(GQA, True), tp), block_size=4, num_blocks=32 + rank, compile=False)
+        results[rank] = None
+    except RuntimeError as error:
+        results[rank] = str(error)
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_engines_built_unlike_on_the_ranks_raise_on_every_rank():
+    """The schedule depends on the engine's settings: ranks whose engines differ (here
+    num_blocks) all raise before any step, instead of hanging in a collective."""
+    results = mp.Manager().dict()
+    mp.spawn(_settings_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        assert results[rank] is not None and "engines of the tensor-parallel ranks differ" in results[rank], rank
