@@ -35,8 +35,8 @@ from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
 from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
-from .sampling import SamplingParams, check_seed, sample
 from .request_sync import RequestSync
+from .sampling import SamplingParams, check_seed, sample
 from .scheduler import Chunk, Request, Scheduler
 from .warmup import warmup_batches
 
