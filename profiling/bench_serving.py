@@ -104,8 +104,8 @@ def main() -> None:
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="trace the first --profile-steps steps of the prefix-caching run into DIR "
-                             "(compiled-attn profile-report DIR reads it)")
+                        help="also trace the first --profile-steps steps of a third, untimed run of the "
+                             "prefix-caching scenario into DIR (compiled-attn profile-report DIR reads it)")
     parser.add_argument("--profile-steps", type=int, default=48)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -126,13 +126,10 @@ def main() -> None:
     rows = []
     system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]
     shared = traffic(n, rate, vocab, args.seed, system, 64, 64, max_len)
-    runs = {False: serve(engine(enable_prefix_caching=False), shared)}
-    if args.profile is None:
-        runs[True] = serve(engine(enable_prefix_caching=True), shared)
-    else:
-        cached = engine(enable_prefix_caching=True)
+    runs = {caching: serve(engine(enable_prefix_caching=caching), shared) for caching in (False, True)}
+    if args.profile is not None:  # a third run, traced (writing the trace would stall a timed one)
         with StepProfiler(args.profile, active=args.profile_steps, record_shapes=True, device=args.device) as profiler:
-            runs[True] = serve(cached, shared, on_step=profiler.step)
+            serve(engine(enable_prefix_caching=True), shared, on_step=profiler.step)
     case = f"{n} requests, {rate}/s, shared system prompt {system_len}"
     for name, q in (("p50", 50), ("p99", 99)):
         ttft = {caching: percentile([r["ttft"] for r in records], q) * 1e3 for caching, (records, _, _) in runs.items()}
