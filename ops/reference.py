@@ -92,7 +92,8 @@ def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_
         ``[T, Hq, D]`` or, differential, ``[T, Hq // 2, 2 * D]``: a new contiguous tensor
         in the query's dtype; rows past ``cu_seqlens_q[-1]`` are zeros.
     """
-    used = int(cu_seqlens_q[-1])
+    bounds = cu_seqlens_q.tolist()  # one read of the query bounds, on the host
+    used = bounds[-1]
     if used < query.shape[0]:  # rows past the last sequence (a buffer padded to a static shape,
         # values unchecked): zeros, where the CUDA kernels leave them unspecified
         out = query.new_zeros(_out_shape(query, lambda_full is not None))
@@ -109,7 +110,7 @@ def _attend(query, key, value, cu_seqlens_q, seq_lens, k_lens, past_end, lambda_
 
     # Queries as [B, max_q] rows: the query itself when every sequence has max_q of them.
     max_q = cdiv(num_tokens, num_seqs)
-    if cu_seqlens_q.tolist() == list(range(0, num_tokens + 1, max_q)):
+    if bounds == list(range(0, num_tokens + 1, max_q)):
         valid, q_lens, q = None, max_q, query
     else:
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
