@@ -495,4 +495,3 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = _dense_lse(q, keys, torch.zeros_like(key_end), key_end, options["scale"], options["causal"],
                      options["window_size"], options["softcap"], alibi_slopes)
     return out, lse
-

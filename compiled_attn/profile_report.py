@@ -16,9 +16,10 @@ import math
 import re
 from pathlib import Path
 
-from .profiler import STEP_NAMES, TraceSummary, classify_steps, list_traces, load_trace, summarize_trace
+from .profiler import (STEP_NAMES, TRACE_SUFFIXES, TraceSummary, classify_steps, list_traces, load_trace,
+                       summarize_trace)
 
-_TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json")
+_TRACE_SUFFIXES = (*TRACE_SUFFIXES, ".json.gz", ".json")  # stripped from a report's name, longest first
 COLORS = {"attention": "#d62728", "reshape_and_cache": "#2ca02c", "merge": "#ff7f0e", "other": "#1f77b4"}
 """Timeline colors of ops and kernels: the first key found in an event's name, else ``other``."""
 _SPAN_COLORS = {"prefill": "#9467bd", "decode_step": "#17becf", "capture": "#8c564b", "replay": "#bcbd22",

@@ -45,8 +45,9 @@ TOP_LEVEL_PHASES = ("prefill", "decode_step", "capture")
 STEP_NAMES = {"decode": "ProfilerStep", "prefill": "PrefillStep", "capture": "CaptureStep", "idle": "IdleStep"}
 """Span name per step kind in a labelled trace; only decode steps keep the profiler's name."""
 _STEP_RE = re.compile(r"^(%s)#(\d+)$" % "|".join(STEP_NAMES.values()))
-TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
-"""Endings of complete trace files (torch writes ``<name>.tmp`` first, then renames it)."""
+TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json")
+"""Endings of complete trace files, longest first (torch writes ``<name>.tmp`` first, then
+renames it)."""
 
 
 def _rank_and_world_size() -> tuple[int, int]:
