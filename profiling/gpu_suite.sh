@@ -242,6 +242,12 @@ tp)  # on nvidia-h200-x2 (kind): NVLink multicast stays off (the device's KINDS.
     mkdir -p "$out/results"
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     prompts=(); for i in 1 2 3 4 5 6 7 8; do prompts+=(--prompt "def function_$i(x):"); done
+    # TP_BENCH: the sizes bench_tp.py runs (default "1 2"); TP_GENERATE=0 skips the token compare
+    for n in ${TP_BENCH-1 2}; do
+        run tp_bench_$n 300 python3 -m torch.distributed.run --nproc-per-node $n "$repo/profiling/bench_tp.py" \
+            --out "$out/results/tp_decode.jsonl"
+    done
+    if [ "${TP_GENERATE:-1}" = 1 ]; then
     # greedy tokens of the embedded model in float32, TP=1 against TP=2
     run tp_generate_1 200 python3 -m compiled_attn.cli generate --device cuda --dtype float32 --json \
         --max-new-tokens 64 "${prompts[@]}"
@@ -253,10 +259,7 @@ ids = [[c["generated_ids"] for c in json.loads([l for l in open(p) if l.startswi
        for p in sys.argv[1:]]
 print("TP=2 greedy tokens equal TP=1:", ids[0] == ids[1], "over", sum(map(len, ids[0])), "tokens")
 PY
-    for n in 1 2; do
-        run tp_bench_$n 300 python3 -m torch.distributed.run --nproc-per-node $n "$repo/profiling/bench_tp.py" \
-            --out "$out/results/tp_decode.jsonl"
-    done
+    fi
     echo "== summary"
     cat "$out/tp_tokens.txt" "$out/results/tp_decode.jsonl" 2>/dev/null
     ;;
