@@ -204,7 +204,7 @@ def generate(args, tokenizer) -> dict:
             completions, timings = engine.generate(prompts, params, seed=args.seed, on_step=profiler.step)
         trace = profiler.written[-1]
         profile = {"trace": str(trace), "summary": summarize_trace(trace)}
-    stats, capture = engine.compile_stats, engine.capture_stats
+    stats, capture, mixed = engine.compile_stats, engine.capture_stats, engine.runner.mixed_capture_stats
     return {
         "model": str(args.model) if args.model else f"random (seed {args.seed})" if args.random_model else "embedded-default",
         "device": args.device,
@@ -246,6 +246,8 @@ def generate(args, tokenizer) -> dict:
             "captured_sizes": capture.sizes,
             "capture_seconds": capture.seconds,
             "graph_memory_bytes": capture.memory_bytes,
+            "mixed_shapes": len(mixed.sizes) if mixed else 0,
+            "mixed_capture_seconds": mixed.seconds if mixed else 0.0,
         },
     }
 
@@ -267,7 +269,8 @@ def _print_text(result: dict, prompts_text: list[str]) -> None:
     if result["cuda_graphs"] is not None:
         g = result["cuda_graphs"]
         print(f"cuda graphs: {len(g['captured_sizes'])} sizes up to {max(g['captured_sizes'])}, "
-              f"captured in {g['capture_seconds']:.1f} s, {g['graph_memory_bytes'] / 2**20:.0f} MiB")
+              f"captured in {g['capture_seconds']:.1f} s, {g['graph_memory_bytes'] / 2**20:.0f} MiB; "
+              f"{g['mixed_shapes']} mixed-step shapes in {g['mixed_capture_seconds']:.1f} s")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

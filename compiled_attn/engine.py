@@ -5,9 +5,11 @@ Requests arrive (:meth:`Engine.add_request`) and finish at different times. Each
 chunks and decode rows within a token budget, blocks allocated as sequences grow,
 preemption when the cache runs out, prefix-cache hits) and has the
 :class:`~compiled_attn.model_runner.ModelRunner` run it: a step with any prefill chunk is one
-mixed forward over the paged cache; a step that advances every running request by one token
-is a decode step (a CUDA-graph replay when graphs are on and the batch fits the largest
-capture size, the compiled model otherwise). Finished requests free their blocks at once.
+mixed forward over the paged cache (a CUDA-graph replay when graphs are on and it fits a
+captured ``(tokens, seqs)`` shape, see :mod:`compiled_attn.mixed_graphs`); a step that
+advances every running request by one token is a decode step (a CUDA-graph replay when
+graphs are on and the batch fits the largest capture size). Otherwise the compiled model
+runs. Finished requests free their blocks at once.
 
 Decode tokens are read one step late (``async_decode``, vLLM's "async scheduling"): a decode
 step is left in flight, its tokens on their way to pinned host memory, and when the next
@@ -33,6 +35,7 @@ from torch.profiler import record_function
 from .compile import CompiledFunction, CompileStats
 from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
+from .mixed_graphs import default_mixed_capture_sizes
 from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
 from .request_sync import RequestSync
@@ -44,6 +47,18 @@ __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings
 
 DEFAULT_CACHE_TOKENS = 65536
 """Cap of the default KV-cache size, in tokens."""
+
+
+def _check_mixed_sizes(sizes) -> list[tuple[int, int]]:
+    """``sizes`` as a list of ``(tokens, seqs)`` int pairs with ``1 <= seqs <= tokens``."""
+    checked = []
+    for size in sizes:
+        if not (isinstance(size, (tuple, list)) and len(size) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in size) and 1 <= size[1] <= size[0]):
+            raise ValueError(f"mixed_capture_sizes must hold (tokens, seqs) int pairs with 1 <= seqs <= tokens, "
+                             f"got {size!r}")
+        checked.append(tuple(size))
+    return checked
 
 
 @contextmanager
@@ -112,9 +127,13 @@ class Engine:
         compile: run the forward and the sampler through
             :class:`~compiled_attn.compile.CompiledFunction` (counted in ``compile_stats``).
         compile_kwargs: extra ``torch.compile`` arguments.
-        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA models).
-        capture_sizes: batch sizes to capture; default
+        cuda_graphs: replay decode and mixed steps as CUDA graphs (default: on for CUDA
+            models).
+        capture_sizes: decode batch sizes to capture; default
             :func:`~compiled_attn.graphs.default_capture_sizes` up to ``max_num_seqs``.
+        mixed_capture_sizes: ``(tokens, seqs)`` shapes of mixed steps to capture; default
+            :func:`~compiled_attn.mixed_graphs.default_mixed_capture_sizes`; ``[]``: none
+            (mixed steps run the compiled model).
         async_decode: read a decode step's tokens one step late, launching the next decode
             step first when it can (see :meth:`step`); off, each decode step waits for its
             own tokens.
@@ -127,8 +146,9 @@ class Engine:
             from :func:`~compiled_attn.kv_cache.calibrate_kv_scales`; default 1.0.
 
     Raises:
-        ValueError: bad sizes (``max_num_batched_tokens`` below ``block_size``), CUDA graphs
-            asked for a CPU model, an unknown ``kv_cache_dtype``, bad ``kv_scales`` (or
+        ValueError: bad sizes (``max_num_batched_tokens`` below ``block_size``, a mixed
+            capture shape that is not a pair ``1 <= seqs <= tokens``), CUDA graphs asked for
+            a CPU model, an unknown ``kv_cache_dtype``, bad ``kv_scales`` (or
             ``kv_scales`` without an fp8 cache).
     """
 
@@ -137,7 +157,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  compile: bool = True, compile_kwargs: dict | None = None,
                  cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
-                 async_decode: bool = True, warmup: bool = True, kv_cache_dtype: str = "auto",
+                 mixed_capture_sizes: Sequence[tuple[int, int]] | None = None, async_decode: bool = True, warmup: bool = True, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[tuple[float, float]] | None = None) -> None:
         config = model.config
         param = next(model.parameters())
@@ -160,6 +180,8 @@ class Engine:
                 or max_num_batched_tokens < block_size):
             raise ValueError(f"max_num_batched_tokens must be None or an int >= block_size ({block_size}), "
                              f"got {max_num_batched_tokens!r}")
+        if mixed_capture_sizes is not None:
+            mixed_capture_sizes = _check_mixed_sizes(mixed_capture_sizes)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
@@ -179,8 +201,11 @@ class Engine:
             # into a few kernels, which matters inside a replayed decode step.
             sampler = CompiledFunction(sample, self.compile_stats) if compile else sample
             capture_sizes = list(capture_sizes or default_capture_sizes(max_num_seqs)) if self.cuda_graphs else None
+            if mixed_capture_sizes is None:
+                mixed_capture_sizes = default_mixed_capture_sizes(max_num_seqs, max_num_batched_tokens)
+            mixed_capture_sizes = mixed_capture_sizes if self.cuda_graphs else []
             self.runner = ModelRunner(forward, sampler, self.kv_cache, max_num_seqs, self.max_blocks_per_seq,
-                                      capture_sizes)
+                                      capture_sizes, mixed_capture_sizes)
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = config.eos_token_ids
         self.max_num_seqs = max_num_seqs
@@ -192,8 +217,9 @@ class Engine:
         self._sync = RequestSync(tp) if tp is not None and tp.world_size > 1 else None
         if self._sync is not None:
             self._sync.check_engine((self.max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-                                     enable_prefix_caching, compile, self.cuda_graphs, capture_sizes, async_decode,
-                                     str(self.kv_cache_dtype)))
+                                     enable_prefix_caching, compile, self.cuda_graphs, capture_sizes,
+                                     mixed_capture_sizes, async_decode, str(self.kv_cache_dtype)))
+        self._warming_up = False
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
     # --- requests ---------------------------------------------------------------------
@@ -310,7 +336,7 @@ class Engine:
         self.runner.copy_blocks(scheduled.copies)
         if len(chunks) == len(running) and all(c.num_tokens == 1 and c.request.decoding for c in chunks):
             if self.cuda_graphs and self.runner.graph_runner is None:
-                self.capture()
+                self.runner.capture()
             with self._decode_phase():
                 self._inflight = self.runner.launch_decode(list(running), 0, self.max_model_len)
                 self.timings.decode_steps += 1
@@ -325,6 +351,8 @@ class Engine:
 
         A request with ``n > 1`` samples whose prompt this step completes gets its other
         ``n - 1`` samples here, each drawing its first token from the same logits."""
+        if self.runner.mixed_buffers is not None and self.runner.mixed_graphs is None and not self._warming_up:
+            self.runner.capture_mixed()  # (warm-up captures at its end, after its compiled mixed steps)
         start = time.perf_counter()
         draws = [(i, c.request) for i, c in enumerate(chunks)]  # (chunk, request drawing a token)
         for i, chunk in enumerate(chunks):
@@ -438,14 +466,21 @@ class Engine:
         self._sync.exchange(stop=True)
 
     def capture(self):
-        """Capture the decode step for every capture size (done once, before the first
-        decode step; it compiles the decode graph first when compiling)."""
+        """Capture the decode step for every capture size and the mixed step for every
+        mixed shape, where not captured yet (done once: by the warm-up, else before the first
+        decode or mixed step; it compiles the graphs first when compiling). Returns the
+        decode graphs' :class:`~compiled_attn.graphs.CaptureStats`."""
         with engine_mode():
-            return self.runner.capture()
+            if self.runner.graph_runner is None:
+                self.runner.capture()
+            if self.runner.mixed_buffers is not None and self.runner.mixed_graphs is None:
+                self.runner.capture_mixed()
+        return self.runner.capture_stats
 
     @property
     def capture_stats(self):
-        """What capturing the CUDA graphs cost, or ``None`` before (or without) graphs."""
+        """What capturing the decode CUDA graphs cost, or ``None`` before (or without) graphs
+        (the mixed steps': ``runner.mixed_capture_stats``)."""
         return self.runner.capture_stats
 
     def _append(self, request: Request, token: int) -> bool:
@@ -475,13 +510,14 @@ class Engine:
         start = time.perf_counter()
         allocator = self.kv_cache.allocator
         prefix_caching, allocator.prefix_caching = allocator.prefix_caching, False  # every batch runs whole
+        self._warming_up = True
         try:
             for num_seqs, prompt_len, new_tokens, paged in warmup_batches(self):
                 self.runner.paged_prefill = paged
                 self.generate([[0] * prompt_len] * num_seqs, SamplingParams(max_new_tokens=new_tokens))
         finally:
-            allocator.prefix_caching, self.runner.paged_prefill = prefix_caching, False
-        if self.cuda_graphs and self.runner.graph_runner is None:
+            allocator.prefix_caching, self.runner.paged_prefill, self._warming_up = prefix_caching, False, False
+        if self.cuda_graphs:
             self.capture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

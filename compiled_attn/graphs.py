@@ -173,22 +173,29 @@ class CaptureStats:
 
 
 class CUDAGraphRunner:
-    """Captures ``step(rows, greedy)`` once per size and sampling variant (``greedy``: all
+    """Captures ``step(size, greedy)`` once per size and sampling variant (``greedy``: all
     rows take the argmax) and replays the smallest fitting graph.
 
     Args:
-        step: runs one decode step over the first ``rows`` static rows and returns a
-            tensor (the sampled tokens); called for warm-up and inside the capture.
-        sizes: capture sizes (batch rows).
+        step: runs one step over static buffers of ``size`` (decode: the first ``size``
+            rows; a mixed step: a ``(tokens, seqs)`` pair) and returns a tensor (the
+            sampled tokens); called for warm-up and inside the capture.
+        sizes: capture sizes (ints or tuples; captured largest first).
         warmup_steps: eager calls per size before its capture.
+        greedy_variants: the sampling variants captured per size.
+        pool: the memory pool to capture into (``torch.cuda.graph_pool_handle()``; graphs
+            of several runners may share one when their replays never overlap); a new one
+            by default.
     """
 
-    def __init__(self, step: Callable[[int, bool], torch.Tensor], sizes: Sequence[int],
-                 warmup_steps: int = 2) -> None:
+    def __init__(self, step: Callable[..., torch.Tensor], sizes: Sequence, warmup_steps: int = 2,
+                 greedy_variants: Sequence[bool] = (False, True), pool=None) -> None:
         self.step = step
         self.sizes = sorted(set(sizes))
         self.warmup_steps = warmup_steps
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.greedy_variants = tuple(greedy_variants)
+        self.pool = pool
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_size(self) -> int:
@@ -207,9 +214,9 @@ class CUDAGraphRunner:
                 the size and what to lower.
         """
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = self.pool or torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size, greedy in itertools.product(reversed(self.sizes), (False, True)):
+        for size, greedy in itertools.product(reversed(self.sizes), self.greedy_variants):
             try:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -221,8 +228,8 @@ class CUDAGraphRunner:
                     out = self.step(size, greedy)
             except torch.OutOfMemoryError as err:
                 raise RuntimeError(
-                    f"CUDA-graph capture of batch size {size} ran out of memory; lower the largest "
-                    f"capture size (max_batch_size), the KV-cache blocks, or turn graphs off"
+                    f"CUDA-graph capture of size {size} ran out of memory; lower the largest "
+                    f"capture sizes, the KV-cache blocks, or turn graphs off"
                 ) from err
             self.graphs[size, greedy] = (graph, out)
         torch.cuda.synchronize()

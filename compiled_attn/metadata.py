@@ -103,21 +103,57 @@ pytree.register_pytree_node(
 )
 
 
-def build_metadata(
+@dataclass(frozen=True)
+class PackedChunks:
+    """Host lists of one step's metadata (:func:`pack_chunks`), field names as
+    :class:`AttentionMetadata`'s; ``block_table`` rows are padded to ``max_blocks_per_seq``."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    block_table: list[list[int]]
+    prefill_only: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def to_device(self, device: torch.device | str) -> AttentionMetadata:
+        """The :class:`AttentionMetadata` of these lists on ``device``."""
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            input_ids=tensor(self.input_ids, torch.int64),
+            positions=tensor(self.positions, torch.int64),
+            slot_mapping=tensor(self.slot_mapping, torch.int64),
+            cu_seqlens_q=tensor(self.cu_seqlens_q, torch.int32),
+            seq_lens=tensor(self.seq_lens, torch.int32),
+            block_table=tensor(self.block_table, torch.int32),
+            prefill_only=self.prefill_only,
+            query_lens=tuple(b - a for a, b in zip(self.cu_seqlens_q, self.cu_seqlens_q[1:])),
+        )
+
+
+def pack_chunks(
     chunks: Sequence[SequenceChunk],
     block_size: int,
     max_blocks_per_seq: int,
-    device: torch.device | str = "cpu",
     num_blocks: int | None = None,
-) -> AttentionMetadata:
-    """Pack ``chunks`` into an :class:`AttentionMetadata` on ``device``.
+) -> PackedChunks:
+    """Pack ``chunks`` back to back into host lists (no tensors, no device).
 
     Args:
         chunks: the sequences of this step, in batch order.
         block_size: tokens per cache block.
         max_blocks_per_seq: width of ``block_table`` (fixed, so compiled graphs and
             captured CUDA graphs see one shape); rows are padded with block 0.
-        device: where the tensors go.
         num_blocks: when given, block ids are checked against ``[0, num_blocks)``.
 
     Raises:
@@ -150,20 +186,20 @@ def build_metadata(
         cu_seqlens.append(cu_seqlens[-1] + query_len)
         seq_lens.append(seq_len)
         tables.append(table + [0] * (max_blocks_per_seq - len(table)))
-
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    return AttentionMetadata(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slots, torch.int64),
-        cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_table=tensor(tables, torch.int32),
-        prefill_only=all(c.context_len == 0 for c in chunks),
-        query_lens=tuple(len(c.token_ids) for c in chunks),
-    )
+    return PackedChunks(input_ids, positions, slots, cu_seqlens, seq_lens, tables,
+                        prefill_only=all(c.context_len == 0 for c in chunks))
 
 
-__all__ = ["AttentionMetadata", "PAD_SLOT_ID", "SequenceChunk", "build_metadata"]
+def build_metadata(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    max_blocks_per_seq: int,
+    device: torch.device | str = "cpu",
+    num_blocks: int | None = None,
+) -> AttentionMetadata:
+    """Pack ``chunks`` into an :class:`AttentionMetadata` on ``device``; arguments and
+    errors as :func:`pack_chunks`."""
+    return pack_chunks(chunks, block_size, max_blocks_per_seq, num_blocks).to_device(device)
+
+
+__all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "build_metadata", "pack_chunks"]

@@ -3,9 +3,10 @@
 Two kinds of step (see :mod:`compiled_attn.scheduler` for what a chunk is):
 
 * :meth:`ModelRunner.run_chunks`: any mix of prefill chunks and decode rows in **one**
-  forward over the paged cache (the attention ops serve mixed batches), metadata built on
-  the host (:func:`~compiled_attn.metadata.build_metadata`), the compiled model without
-  graphs, tokens read back at once;
+  forward over the paged cache (the attention ops serve mixed batches), metadata packed on
+  the host (:func:`~compiled_attn.metadata.pack_chunks`), a CUDA-graph replay when the step
+  fits a captured ``(tokens, seqs)`` shape (:mod:`compiled_attn.mixed_graphs`), the compiled
+  model otherwise, tokens read back at once;
 * :meth:`ModelRunner.launch_decode`: one token for each of the running requests through the
   static decode buffers, a CUDA-graph replay when graphs are on and the batch fits a capture
   size (the compiled model otherwise), returned in flight (:class:`InflightStep`).
@@ -21,7 +22,8 @@ from torch.profiler import record_function
 
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, decode_step
 from .kv_cache import KVCache
-from .metadata import SequenceChunk, build_metadata
+from .metadata import SequenceChunk, pack_chunks
+from .mixed_graphs import MixedBuffers, mixed_step
 from .ops import copy_blocks
 from .scheduler import Chunk, Request
 
@@ -76,10 +78,14 @@ class ModelRunner:
         max_num_seqs: rows of the decode buffers (the largest decode batch).
         max_blocks_per_seq: block-table width of every step.
         capture_sizes: decode batch sizes to capture, or ``None`` for no CUDA graphs.
+        mixed_capture_sizes: ``(tokens, seqs)`` shapes of mixed steps to capture
+            (:func:`~compiled_attn.mixed_graphs.default_mixed_capture_sizes`), or ``None``
+            / empty for none.
     """
 
     def __init__(self, forward, sampler, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int,
-                 capture_sizes: Sequence[int] | None) -> None:
+                 capture_sizes: Sequence[int] | None,
+                 mixed_capture_sizes: Sequence[tuple[int, int]] | None = None) -> None:
         self.forward, self.sampler, self.kv_cache = forward, sampler, kv_cache
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = kv_cache.layers[0][0].device
@@ -90,6 +96,10 @@ class ModelRunner:
         self.decode_layout: tuple[tuple[int, ...], int] | None = None  # (request ids, rows) in the buffers
         self._blocks_written: list[int] = []  # per buffer row, block-table entries written
         self.paged_prefill = False  # run pure prefills through the paged kernel too (the engine's warm-up)
+        self.mixed_buffers = (MixedBuffers(mixed_capture_sizes, max_blocks_per_seq, self.device)
+                              if mixed_capture_sizes else None)
+        self.mixed_graphs: CUDAGraphRunner | None = None
+        self.mixed_capture_stats: CaptureStats | None = None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``(src, dst)`` in every layer (copy-on-write of shared blocks)."""
@@ -104,29 +114,32 @@ class ModelRunner:
         parameters and seed draw it)``, by default one per chunk with its own request
         (meaningful for chunks that complete their request)."""
         allocator = self.kv_cache.allocator
-        md = build_metadata(
+        packed = pack_chunks(
             [SequenceChunk(c.request.token_ids(c.request.num_computed, c.request.num_computed + c.num_tokens),
                            c.request.num_computed, allocator.block_tables[c.request.request_id]) for c in chunks],
-            self.kv_cache.block_size, self.max_blocks_per_seq, self.device, allocator.num_blocks)
+            self.kv_cache.block_size, self.max_blocks_per_seq, allocator.num_blocks)
         self.decode_layout = None  # the decode buffers no longer hold the rows' device state
+        draws = [(i, r.params.temperature, r.params.top_p, r.seed, chunks[i].request.num_computed + chunks[i].num_tokens)
+                 for i, r in (draws or [(i, c.request) for i, c in enumerate(chunks)])]
+        shape = (self.mixed_buffers.padded_shape(packed.num_tokens, packed.num_seqs, len(draws))
+                 if self.mixed_graphs is not None else None)
+        if shape is not None:
+            self.mixed_buffers.write(packed, shape, draws)
+            with record_function("replay"):
+                return self.mixed_graphs.replay(shape)[: len(draws)].tolist()
+        md = packed.to_device(self.device)
         if self.paged_prefill:
             md.prefill_only = False
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        draws = draws or [(i, c.request) for i, c in enumerate(chunks)]
-        requests = [r for _, r in draws]
+        rows, temperature, top_p, seeds, positions = zip(*draws)
         logits = self.forward(md, self.kv_cache.layers)
-        if len(draws) != len(chunks):
-            logits = logits[column([i for i, _ in draws], torch.int64)]
-        tokens = self.sampler(
-            logits,
-            column([r.params.temperature for r in requests], torch.float32),
-            column([r.params.top_p for r in requests], torch.float32),
-            column([r.seed for r in requests], torch.int64),
-            column([chunks[i].request.num_computed + chunks[i].num_tokens for i, _ in draws], torch.int64),
-        )
+        if list(rows) != list(range(len(chunks))):
+            logits = logits[column(rows, torch.int64)]
+        tokens = self.sampler(logits, column(temperature, torch.float32), column(top_p, torch.float32),
+                              column(seeds, torch.int64), column(positions, torch.int64))
         return tokens.tolist()
 
     def launch_decode(self, requests: list[Request], ahead: int, max_model_len: int) -> InflightStep:
@@ -173,3 +186,17 @@ class ModelRunner:
             self.capture_stats = runner.capture()
         self.graph_runner, self.decode_layout = runner, None
         return self.capture_stats
+
+    def capture_mixed(self) -> CaptureStats:
+        """Capture the mixed step for every ``(tokens, seqs)`` shape of the mixed buffers,
+        into the decode graphs' memory pool (replays never overlap: each step's tokens are
+        read before the next launch)."""
+        def step(shape: tuple[int, int], greedy: bool) -> torch.Tensor:
+            return mixed_step(self.forward, self.kv_cache.layers, self.mixed_buffers, shape, self.sampler)
+
+        with record_function("capture"):
+            pool = None if self.graph_runner is None else self.graph_runner.pool
+            runner = CUDAGraphRunner(step, self.mixed_buffers.sizes, greedy_variants=(False,), pool=pool)
+            self.mixed_capture_stats = runner.capture()
+        self.mixed_graphs = runner
+        return self.mixed_capture_stats

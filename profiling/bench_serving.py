@@ -82,7 +82,10 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     ttft = sorted(r["ttft"] for r in records)
     steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
                       for kind, ms in step_ms.items() if ms)
-    print(f"served {len(records)} requests in {seconds:.1f} s, {tokens} tokens; TTFT median "
+    mixed = engine.runner.mixed_capture_stats
+    print(f"engine warm-up {engine.warmup_seconds:.1f} s ({len(mixed.sizes) if mixed else 0} mixed-step graphs "
+          f"captured in {mixed.seconds if mixed else 0:.1f} s); "
+          f"served {len(records)} requests in {seconds:.1f} s, {tokens} tokens; TTFT median "
           f"{ttft[len(ttft) // 2] * 1e3:.1f} ms; {steps}; compiled while serving: "
           f"{compiled_variants() - variants} Triton variants, "
           f"{engine.compile_stats.graphs_compiled - graphs} graphs", flush=True)  # progress, should a later run not finish

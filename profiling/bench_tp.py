@@ -2,11 +2,14 @@
 
     torchrun --nproc-per-node 1 profiling/bench_tp.py --out profiling/results/tp_decode.jsonl
     torchrun --nproc-per-node 2 profiling/bench_tp.py --out profiling/results/tp_decode.jsonl
+    torchrun --nproc-per-node 2 profiling/bench_tp.py --all-reduce symm_mem --out profiling/results/tp_decode.jsonl
 
 Default config: ~8 B parameters (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate
 14336, vocab 128256), bfloat16, weights drawn on the GPU (normal(0, 0.02), same seed on every
-rank, then :func:`~compiled_attn.models.sharding.shard_model`). Rank 0 appends one JSON line
-per batch size: mean decode step seconds (Engine decode time / decode steps).
+rank, then :func:`~compiled_attn.models.sharding.shard_model`). ``--all-reduce`` picks the
+all-reduce's kind (``init_tensor_parallel``; one kind per process). Rank 0 appends one JSON
+line per batch size: the kind and the mean decode step seconds (Engine decode time / decode
+steps).
 ``--tiny`` runs a small config on the CPU (gloo) as a smoke test.
 """
 
@@ -18,7 +21,7 @@ import time
 
 import torch
 
-from compiled_attn.distributed import destroy_tensor_parallel, init_tensor_parallel
+from compiled_attn.distributed import ALL_REDUCE_KINDS, destroy_tensor_parallel, init_tensor_parallel
 from compiled_attn.engine import Engine
 from compiled_attn.models import DiffLlamaConfig, DiffLlamaForCausalLM
 from compiled_attn.models.sharding import shard_model
@@ -32,10 +35,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--all-reduce", choices=("auto", *ALL_REDUCE_KINDS), default=None,
+                        help="the all-reduce's kind (default: $COMPILED_ATTN_ALL_REDUCE, else auto)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = not args.tiny
-    tp = init_tensor_parallel(backend="nccl" if cuda else "gloo")
+    tp = init_tensor_parallel(backend="nccl" if cuda else "gloo", all_reduce=args.all_reduce)
     if args.tiny:
         config = DiffLlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=4, head_dim=16,
@@ -66,9 +71,9 @@ def main() -> None:
         engine.generate(prompts, SamplingParams(max_new_tokens=4))  # warm this batch size
         _, timings = engine.generate(prompts, params)
         step = timings.decode_seconds / (args.new_tokens - 1)
-        row = dict(bench="tp_decode", tp=tp.world_size, batch=batch, prompt_len=args.prompt_len,
-                   new_tokens=args.new_tokens, step_seconds=step, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        row = dict(bench="tp_decode", tp=tp.world_size, all_reduce=tp.all_reduce, batch=batch,
+                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, step_seconds=step,
+                   device=torch.cuda.get_device_name() if cuda else "cpu", time=time.strftime("%Y-%m-%dT%H:%M:%S"))
         if tp.rank == 0:
             print(json.dumps(row), flush=True)
             if args.out:

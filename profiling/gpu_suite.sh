@@ -40,6 +40,7 @@
 #                                        # profile-report to $OUT) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
 #                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14)
+#   bash profiling/gpu_suite.sh pytest FILE...  # pytest -m gpu on these test files (PYTEST_SECONDS, default 300)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
 #                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
@@ -47,7 +48,7 @@
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
 usage="usage: gpu_suite.sh STAGE [STAGE ...] (kernels engine linear tests newkernels compile flash host report train
-compare prefill serving tp), or gpu_suite.sh decode [B ...]"
+compare prefill serving tp), gpu_suite.sh decode [B ...] or gpu_suite.sh pytest FILE..."
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$(mktemp -d)}
@@ -238,6 +239,11 @@ serving)
     echo "== summary"
     cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null
     ;;
+pytest)
+    shift
+    run pytest_gpu "${PYTEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu "${@/#/$repo/}"
+    echo "== summary"; tail -n 3 "$out/pytest_gpu.log"; grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
+    ;;
 tp)  # on nvidia-h200-x2 (kind): NVLink multicast stays off (the device's KINDS.md)
     mkdir -p "$out/results"
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -268,7 +274,7 @@ PY
     ;;
 esac
 }
-if [ "$1" = decode ]; then
+if [ "$1" = decode ] || [ "$1" = pytest ]; then
     run_stage "$@"
 else
     for stage in "$@"; do run_stage "$stage"; done

@@ -53,6 +53,27 @@ def test_overlapped_graph_replay_gives_the_tokens_of_synchronous_eager_for_64_mi
     assert not mismatched, f"requests {mismatched} differ between eager and graph replay"
 
 
+def test_mixed_graph_replays_with_prefix_hits_and_chunked_prefill_give_the_tokens_of_compiled_steps():
+    model = _model(2)
+    prompts, params = _workload(48, seed=4)
+    system = list(range(100, 140))  # a shared prefix of 40 tokens: prefix-cache hits
+    prompts = [system + p if i % 2 else p for i, p in enumerate(prompts)]
+
+    def engine(**kwargs):
+        return Engine(model, compile=True, max_num_seqs=16, num_blocks=512, max_num_batched_tokens=64, **kwargs)
+
+    compiled, _ = engine(cuda_graphs=False).generate(prompts, params, seed=5)
+    graphed = engine(cuda_graphs=True)
+    assert graphed.runner.mixed_capture_stats.sizes == graphed.runner.mixed_buffers.sizes
+    replays = []
+    replay = graphed.runner.mixed_graphs.replay
+    graphed.runner.mixed_graphs.replay = lambda shape: replays.append(shape) or replay(shape)
+    got, _ = graphed.generate(prompts, params, seed=5)
+    assert len(replays) > 10 and max(t for t, _ in replays) == 64
+    mismatched = [i for i, (a, b) in enumerate(zip(compiled, got)) if a.output_ids != b.output_ids]
+    assert not mismatched, f"requests {mismatched} differ between compiled and graph-replayed mixed steps"
+
+
 def test_1000_steps_of_changing_batch_size_no_recompiles_no_captures_steady_memory():
     model = _model(1, torch.bfloat16)
     engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=1024)

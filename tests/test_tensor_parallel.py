@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): a TP=2 shard gives the unsharded
 model's logits (fp32 tolerance) and, through the Engine, its greedy tokens, for a GQA and an
 MHA config (the MHA one with KV sharing, a sliding window, affine subln, biases and tied
-embeddings), differential and plain attention; and a clear error for sizes that don't split."""
+embeddings), differential and plain attention; and a clear error for sizes that don't split.
+On two GPUs, the compiled, graph-replayed TP=2 engine gives the same tokens with the
+symmetric-memory all-reduce as over NCCL."""
 
 from __future__ import annotations
 
@@ -208,3 +210,41 @@ def test_engines_built_unlike_on_the_ranks_raise_on_every_rank():
     mp.spawn(_settings_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         assert results[rank] is not None and "engines of the tensor-parallel ranks differ" in results[rank], rank
+
+
+GPU_CONFIG = dataclasses.replace(GQA, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                 head_dim=32, max_position_embeddings=256)
+
+
+def _symm_mem_engine_worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (the machine's rule)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    tp = init_tensor_parallel(WORLD, rank, backend="nccl", all_reduce="symm_mem")
+    engines = []
+    try:
+        for kind in ("nccl", "symm_mem"):
+            model = build_random_model(GPU_CONFIG, seed=0, device="cuda")
+            model.lm_head.weight.mul_(30.0)  # wide logit margins: greedy picks are not near-ties
+            engines.append(Engine(shard_model(model, dataclasses.replace(tp, all_reduce=kind)), max_num_seqs=8,
+                                  compile=True, cuda_graphs=True))
+            completions = engines[-1].generate(PROMPTS, SamplingParams(max_new_tokens=16))[0]
+            stats = engines[-1].compile_stats
+            results[(rank, kind)] = ([c.output_ids for c in completions], stats.graph_breaks, stats.recompiles,
+                                     engines[-1].capture_stats is not None)
+    finally:
+        engines.clear()  # NCCL's destroy_process_group hangs while their CUDA graphs live
+        destroy_tensor_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (TP=2 over NCCL and symmetric memory)")
+def test_tp2_engine_with_symm_mem_all_reduce_gives_the_tokens_of_nccl():
+    """The compiled, graph-replayed TP=2 engine (float32) with the symmetric-memory all-reduce
+    gives the greedy tokens of the same engine over NCCL, with no graph break nor recompile."""
+    results = mp.Manager().dict()
+    mp.spawn(_symm_mem_engine_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        nccl, symm_mem = results[(rank, "nccl")], results[(rank, "symm_mem")]
+        assert symm_mem == nccl and nccl[1:] == (0, 0, True), rank
+        assert all(len(tokens) == 16 for tokens in nccl[0])
