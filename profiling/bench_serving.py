@@ -57,6 +57,7 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     the median wall time of steps that prefilled (mixed steps) and of decode steps."""
     start, pending, live = time.perf_counter(), list(arrivals), []
     step_ms = {"mixed": [], "decode": []}
+    calls_ms = _time_calls(engine)
     variants, graphs = compiled_variants(), engine.compile_stats.graphs_compiled
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -82,6 +83,7 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     ttft = sorted(r["ttft"] for r in records)
     steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
                       for kind, ms in step_ms.items() if ms)
+    steps += "; median ms of " + ", ".join(f"{name} {statistics.median(ms):.2f}" for name, ms in calls_ms.items() if ms)
     mixed = engine.runner.mixed_capture_stats
     print(f"engine warm-up {engine.warmup_seconds:.1f} s ({len(mixed.sizes) if mixed else 0} mixed-step graphs "
           f"captured in {mixed.seconds if mixed else 0:.1f} s); "
@@ -90,6 +92,27 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
           f"{compiled_variants() - variants} Triton variants, "
           f"{engine.compile_stats.graphs_compiled - graphs} graphs", flush=True)  # progress, should a later run not finish
     return records, seconds, tokens
+
+
+def _time_calls(engine: Engine) -> dict[str, list[float]]:
+    """Wrap the parts of a mixed step (the in-flight decode read, scheduling, the runner's
+    step, its mixed-buffer writes) to record each call's wall milliseconds."""
+    calls_ms = {}
+    parts = {"drain": (engine, "_drain"), "schedule": (engine.scheduler, "schedule"),
+             "run_chunks": (engine.runner, "run_chunks")}
+    if engine.runner.mixed_buffers is not None:
+        parts["mixed buffer writes"] = (engine.runner.mixed_buffers, "write")
+    for name, (owner, attribute) in parts.items():
+        calls_ms[name] = []
+
+        def timed(*args, _fn=getattr(owner, attribute), _ms=calls_ms[name], **kwargs):
+            begin = time.perf_counter()
+            result = _fn(*args, **kwargs)
+            _ms.append((time.perf_counter() - begin) * 1e3)
+            return result
+
+        setattr(owner, attribute, timed)
+    return calls_ms
 
 
 def percentile(values: list[float], q: float) -> float:
