@@ -117,7 +117,7 @@ class MixedBuffers:
         """
         tokens, seqs = shape
         pad_tokens, pad_seqs, pad_draws = tokens - packed.num_tokens, seqs - packed.num_seqs, seqs - len(draws)
-        rows, temperature, top_p, seeds, positions = (list(column) for column in zip(*draws))
+        rows, temperature, top_p, seeds, positions = (list(column) for column in zip(*draws)) if draws else [[]] * 5
         host = {
             "input_ids": packed.input_ids + [0] * pad_tokens,
             "positions": packed.positions + [0] * pad_tokens,
@@ -132,8 +132,14 @@ class MixedBuffers:
             "sample_positions": positions + [0] * pad_draws,
         }
         for name, values in host.items():
-            buffer = getattr(self, name)
-            buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+            if values:
+                buffer = getattr(self, name)
+                buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+
+    def write_padding(self, shape: tuple[int, int]) -> None:
+        """Write a step of ``shape`` that is all padding (what capturing runs on: the
+        attention kernels need ``cu_seqlens_q`` to end at the token count)."""
+        self.write(PackedChunks([], [], [], [0], [], [], prefill_only=False), shape, [])
 
 
 def mixed_step(forward: Callable, kv_caches, buffers: MixedBuffers, shape: tuple[int, int],

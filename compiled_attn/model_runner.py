@@ -192,6 +192,8 @@ class ModelRunner:
         into the decode graphs' memory pool (replays never overlap: each step's tokens are
         read before the next launch)."""
         def step(shape: tuple[int, int], greedy: bool) -> torch.Tensor:
+            if not torch.cuda.is_current_stream_capturing():  # a warm-up run: valid padding of this shape
+                self.mixed_buffers.write_padding(shape)
             return mixed_step(self.forward, self.kv_cache.layers, self.mixed_buffers, shape, self.sampler)
 
         with record_function("capture"):

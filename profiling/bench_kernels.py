@@ -9,15 +9,17 @@ Hq 32, Hkv 8, D 128, block 16. The ``flash`` part compares our varlen op, with i
 flash-attn backend, to flash-attn 4 called directly (run where ``flash_attn.cute`` imports:
 ``profiling/gpu_suite.sh flash``). The ``fp8`` part times paged decode over a float8_e4m3fn
 KV cache (vLLM's fp8 KV cache, dequantized in registers) against the same decode over the
-bf16 cache, and counts the tokens each cache holds in the same bytes. Appends to
-``profiling/results/kernels.md`` and ``kernels.jsonl``.
+bf16 cache, and counts the tokens each cache holds in the same bytes; with ``--fp8-sweep``
+it also times candidate tiles and split counts of that decode (:func:`fp8_sweep_rows`).
+Appends to ``profiling/results/kernels.md`` and ``kernels.jsonl``.
 
-    python profiling/bench_kernels.py [--results-dir profiling/results]
+    python profiling/bench_kernels.py [--results-dir profiling/results] [--parts fp8 --fp8-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -332,35 +334,66 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
             ResultRow(f"{case}: our Triton / our op (backend)", "ms", ms["ours Triton"], "op ms", ms["op"])]
 
 
-def fp8_rows(bandwidth: float, batch: int = 64, context: int = 8192) -> list[ResultRow]:
+# (tile_n, num_warps, num_stages, max_registers, num_splits) overrides of the fp8 decode's
+# default tiles and split count (None: the default's). Beside each, from Triton 3.6's sm90
+# compile of the B=64 ctx 8k launch: K/V shared-memory buffers, resident programs a
+# multiprocessor ("occ", registers and shared memory) and waves of the grid's programs.
+FP8_SWEEP = {
+    "plain": [  # default N128 w4 s5: 2 buffers, 168 registers, occ 3, 2.6 waves at 2 splits
+        (None, None, None, None, 3), (None, None, None, None, 4),  # 3.9 and 5.2 waves
+        (None, None, 3, None, None),  # 1 buffer, 208 registers: occ 2
+        (None, None, 7, None, None),  # 3 buffers, 106 KiB of shared memory: occ 2
+        (64, 4, 3, None, None),  # the 16-bit cache's tiles (before fp8_decode_tiles): 1 buffer, occ 2
+        (64, 4, 5, None, None),  # 2 buffers, occ 2
+        (64, 4, 5, 128, None), (64, 4, 5, 128, 3), (64, 4, 7, 128, None),  # 2-3 buffers, occ 4, no spill
+        (64, 2, 5, None, None), (64, 2, 5, None, 3),  # 255 registers, occ 4
+        (128, 8, 5, 128, None),  # occ 2 (spills 8 B)
+    ],
+    "differential": [  # default N64 w4 s5: 2 buffers, 234 registers, occ 2, 1.9 waves at 2 splits
+        (None, None, None, None, 3), (None, None, None, None, 4),
+        (None, None, 2, None, None),  # the 16-bit cache's tiles: 1 buffer, occ 3 (spills 16 B), 1.3 waves
+        (None, None, 3, None, None),  # 1 buffer, occ 2
+        (None, None, None, 168, None), (None, None, None, 168, 3),  # occ 3, spills 120 B
+        (32, 4, 5, None, None),  # occ 2
+        (128, 4, 5, None, None),  # 141 KiB of shared memory: occ 1
+    ],
+}
+
+
+def fp8_inputs(batch: int, context: int):
+    """``decode_inputs`` and the same caches quantized to float8_e4m3fn with their scales."""
+    args = decode_inputs(batch, context)
+    k_scale = args[1].abs().amax().float() / 448  # calibrated as calibrate_kv_scales does
+    v_scale = args[2].abs().amax().float() / 448
+    fp8 = (reference.quantize(args[1], k_scale), reference.quantize(args[2], v_scale))
+    return args, (args[0], *fp8, *args[3:]), dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def fp8_rows(bandwidth: float, batch: int = 64, context: int = 8192, sweep: bool = False) -> list[ResultRow]:
     """fp8 KV cache against bf16: paged decode at ``batch`` sequences of ``context`` keys,
     plain and differential (issue target: fp8 at >= 1.6x the bf16 kernel's speed), the fp8
-    kernel's KV bandwidth, and the tokens a cache holds in the same bytes (2x)."""
-    args = decode_inputs(batch, context)
-    query, key_cache, value_cache = args[:3]
-    k_scale = key_cache.abs().amax().float() / 448  # calibrated as calibrate_kv_scales does
-    v_scale = value_cache.abs().amax().float() / 448
-    fp8 = (reference.quantize(key_cache, k_scale), reference.quantize(value_cache, v_scale))
-    del key_cache, value_cache
-    fp8_args = (query, *fp8, *args[3:])
+    kernel's KV bandwidth, and the tokens a cache holds in the same bytes (2x); ``sweep``:
+    :func:`fp8_sweep_rows` too."""
+    args, fp8_args, scales = fp8_inputs(batch, context)
     lam = torch.rand(HQ // 2, device="cuda")
     case = f"decode B={batch} ctx={context}"
     rows = []
     for name, lam_arg in (("plain", None), ("differential", lam)):
         bf16_ms = _graph_ms(lambda: triton_kernels.paged_attention(*args, lam_arg))
-        fp8_ms = _graph_ms(lambda: triton_kernels.paged_attention(*fp8_args, lam_arg, k_scale=k_scale,
-                                                                  v_scale=v_scale))
+        fp8_ms = _graph_ms(lambda: triton_kernels.paged_attention(*fp8_args, lam_arg, **scales))
         rows.append(ResultRow(f"{case} {name}: bf16 cache / fp8 cache", "ms", bf16_ms, "fp8 ms", fp8_ms, ">= 1.6"))
         if lam_arg is None:
             kv_bytes = 2 * batch * context * HKV * D  # one byte an element
             rows.append(ResultRow(f"{case} plain fp8 cache", "KV TB/s", kv_bytes / fp8_ms / 1e9, "copy TB/s",
                                   bandwidth / 1e12, ">= 0.7"))
+        if sweep:
+            rows += fp8_sweep_rows(f"{case} {name}", fp8_args, lam_arg, scales, bf16_ms, FP8_SWEEP[name])
     # Tokens per byte: the engine's cache of the bench model (16 layers, Hkv 8, D 64) as an example.
     per_block = {dtype: KVCache.bytes_per_block(16, BLOCK, HKV, D, dtype) for dtype in (DTYPE, torch.float8_e4m3fn)}
     rows.append(ResultRow("cache tokens at equal bytes: fp8 / bf16", "tokens per GiB",
                           2**30 / per_block[torch.float8_e4m3fn] * BLOCK, "bf16 tokens per GiB",
                           2**30 / per_block[DTYPE] * BLOCK, ">= 2"))
-    del args, fp8_args, fp8
+    del args, fp8_args
     torch.cuda.empty_cache()
     key = torch.randn(65536, HKV, D, dtype=DTYPE, device="cuda")
     key_cache = torch.empty(2 * 65536 // BLOCK, BLOCK, HKV, D, dtype=torch.float8_e4m3fn, device="cuda")
@@ -371,6 +404,40 @@ def fp8_rows(bandwidth: float, batch: int = 64, context: int = 8192) -> list[Res
     moved = 2 * key.numel() * (key.element_size() + 1)  # k and v: read bf16, write fp8
     rows.append(ResultRow("reshape_and_cache fp8 T=65536", "TB/s", moved / ms / 1e9, "copy TB/s",
                           bandwidth / 1e12, ">= 0.8"))
+    return rows
+
+
+def fp8_sweep_rows(case: str, fp8_args, lam, scales: dict, bf16_ms: float, candidates) -> list[ResultRow]:
+    """The fp8 decode ``fp8_args`` at its default tiles and split count and at each
+    candidate ``(tile_n, num_warps, num_stages, max_registers, num_splits)`` override, as
+    ``bf16_ms`` (the bf16 cache at its defaults) / candidate ms. Each candidate's output is
+    checked against the default's (relative L2 < 1e-2, else the row says BAD); one that fails
+    to compile or launch is printed and skipped."""
+    from compiled_attn.ops.triton_kernels.attention import launch_plan
+
+    query, key_cache = fp8_args[:2]
+    plan = launch_plan(query, HKV, query.shape[0], fp8_args[5].shape[1] * BLOCK, lam is not None, key_cache.dtype)
+    expected = triton_kernels.paged_attention(*fp8_args, lam, **scales).float()
+    rows = []
+    for tile_n, warps, stages, registers, splits in [(None,) * 5, *candidates]:
+        default = plan.tiles
+        tiles = replace(default, tile_n=tile_n or default.tile_n, num_warps=warps or default.num_warps,
+                        num_stages=stages or default.num_stages, max_registers=registers or default.max_registers)
+        splits = splits or plan.num_splits
+        label = (f"N{tiles.tile_n} w{tiles.num_warps} s{tiles.num_stages} splits {splits}"
+                 + (f" maxnreg {tiles.max_registers}" if tiles.max_registers else "")
+                 + (" (default)" if (tiles, splits) == (plan.tiles, plan.num_splits) else ""))
+
+        def run(tiles=tiles, splits=splits):
+            return triton_kernels.paged_attention(*fp8_args, lam, **scales, tiles=tiles, num_splits=splits)
+        try:
+            error = ((run().float() - expected).norm() / expected.norm()).item()
+            ms = _graph_ms(run)
+        except Exception as err:  # a candidate that does not compile or launch here: report, go on
+            print(f"fp8 sweep {case} {label} failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        bad = " BAD" if not error < 1e-2 else ""
+        rows.append(ResultRow(f"{case} fp8 sweep: {label}{bad}", "ms", bf16_ms, "fp8 ms", ms))
     return rows
 
 
@@ -397,10 +464,12 @@ def main() -> None:
                         choices=["decode", "prefill", "cache", "flash", "fp8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
+    parser.add_argument("--fp8-sweep", action="store_true", help="fp8 part: time candidate tiles and splits too")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
-             "cache": lambda: cache_rows(bandwidth), "flash": flash_rows, "fp8": lambda: fp8_rows(bandwidth)}
+             "cache": lambda: cache_rows(bandwidth), "flash": flash_rows,
+             "fp8": lambda: fp8_rows(bandwidth, sweep=args.fp8_sweep)}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))

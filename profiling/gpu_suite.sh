@@ -40,7 +40,8 @@
 #                                        # profile-report to $OUT) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
 #                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14)
-#   bash profiling/gpu_suite.sh pytest FILE...  # pytest -m gpu on these test files (PYTEST_SECONDS, default 300)
+#   bash profiling/gpu_suite.sh pytest FILE...  # pytest -m gpu on these test files (PYTEST_SECONDS, default 300;
+#                                        # PYTEST_ARGS, extra arguments; PYTEST_WORKERS, default 4, 0: one process)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
 #                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
@@ -241,7 +242,11 @@ serving)
     ;;
 pytest)
     shift
-    run pytest_gpu "${PYTEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu "${@/#/$repo/}"
+    parallel=()
+    [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null && parallel=(-n "${PYTEST_WORKERS:-4}")
+    # shellcheck disable=SC2086  # PYTEST_ARGS: extra pytest arguments, e.g. "-x"
+    run pytest_gpu "${PYTEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu "${parallel[@]}" \
+        ${PYTEST_ARGS:-} "${@/#/$repo/}"
     echo "== summary"; tail -n 3 "$out/pytest_gpu.log"; grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
     ;;
 tp)  # on nvidia-h200-x2 (kind): NVLink multicast stays off (the device's KINDS.md)

@@ -167,6 +167,24 @@ def test_interpreter_reshape_and_cache_fp8_bit_exact(dtype, scales):
     assert torch.equal(args[3].cpu().view(torch.uint8), expected[1])
 
 
+@needs_triton
+def test_interpreter_reshape_and_cache_fp8_keeps_signs():
+    """Unscaled: the sign of zeros and NaNs survives (on a GPU the hardware conversion gives
+    every NaN the code 0x7F and the kernel ORs the sign back); saturation at +-448."""
+    from compiled_attn.ops import triton_kernels
+
+    x = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 464.0, -464.0,
+                      -1e-9, 2.0 ** -10, -(2.0 ** -10) * 3, 1.97])
+    key = x.repeat(2).view(2, 1, 12)
+    key_cache = torch.zeros(1, 2, 1, 12, dtype=FP8)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.tensor([1, 0])
+    args = [t.to(DEVICE) for t in (key, -key, key_cache, value_cache, slots)]
+    triton_kernels.reshape_and_cache(*args)
+    assert torch.equal(args[2].cpu().view(torch.uint8), e4m3_codes(key).view(1, 2, 1, 12))
+    assert torch.equal(args[3].cpu().view(torch.uint8), e4m3_codes(-key).view(1, 2, 1, 12))
+
+
 # --- paged attention over an fp8 cache --------------------------------------------------------
 
 
@@ -302,6 +320,35 @@ def test_interpreter_fp8_stacked_decode(scales):
     query, _, _, cu, seq_lens, table = b.args
     expected = oracle_paged(query, *b.dequantized, cu, seq_lens, table, lambda_full=lam)
     assert_close_to_oracle(out, expected)
+
+
+def test_fp8_decode_tiles_keep_the_query_dtypes_variants():
+    """Decode tiles over an fp8 cache (``config.fp8_decode_tiles``): plain D 128 takes twice
+    the keys a step and ``FP8_DECODE_STAGES`` stages, differential D 128 (twice the bytes a
+    key) the same keys; prefill tiles are the 16-bit cache's. The split counts are the
+    16-bit cache's, and every compiled variant of a 16-bit cache's launch determines the fp8
+    cache's: the engine's warm-up, which enumerates variants from the query's dtype, still
+    compiles one launch of each fp8 variant."""
+    pytest.importorskip("triton")
+    from compiled_attn.ops.triton_kernels.attention import _launch_plan, kernel_variant
+    from compiled_attn.ops.triton_kernels.config import FP8_DECODE_STAGES
+
+    def plan(tokens, seqs, differential, head_size, kv_dtype):
+        return _launch_plan(tokens, 32, head_size, 8, seqs, 8192, differential, torch.bfloat16, 132, kv_dtype)
+
+    decode = plan(64, 64, False, 128, FP8).tiles, plan(64, 64, False, 128, None).tiles
+    assert (decode[0].tile_n, decode[0].num_stages) == (2 * decode[1].tile_n, FP8_DECODE_STAGES)
+    decode = plan(64, 64, True, 128, FP8).tiles, plan(64, 64, True, 128, None).tiles
+    assert (decode[0].tile_n, decode[0].num_stages) == (decode[1].tile_n, FP8_DECODE_STAGES)
+    assert plan(4096, 2, False, 128, FP8) == plan(4096, 2, False, 128, None)
+    for differential in (False, True):
+        for head_size in (64, 128, 256):
+            fp8_variant = {}
+            for seqs in (1, 3, 16, 64, 200):
+                for tokens in (seqs, 2 * seqs, 4 * seqs, 64 * seqs):
+                    fp8, wide = (plan(tokens, seqs, differential, head_size, kv) for kv in (FP8, None))
+                    assert fp8.num_splits == wide.num_splits
+                    assert fp8_variant.setdefault(kernel_variant(wide), kernel_variant(fp8)) == kernel_variant(fp8)
 
 
 def test_fp8_attention_through_the_public_function_checks_scale_values():

@@ -61,6 +61,23 @@ def test_write_pads_tokens_into_one_padding_sequence():
     assert buffers.seeds.tolist() == [11, 12, 0, 0] and buffers.sample_positions.tolist() == [7, 5, 0, 0]
 
 
+def test_padding_only_step_ends_cu_seqlens_at_the_token_count():
+    """What capturing runs on: every token in a padding sequence with no keys, so the
+    kernels' tile search stays inside the sequences (all-zero buffers would not)."""
+    model = build_random_model(CONFIG, seed=6)
+    engine = Engine(model, compile=False, block_size=4, num_blocks=8, max_num_seqs=4)
+    buffers = MixedBuffers([(16, 8)], engine.max_blocks_per_seq, "cpu")
+    buffers.cu_seqlens_q.fill_(3)
+    buffers.write_padding((16, 8))
+    assert buffers.cu_seqlens_q.tolist() == [0] + [16] * 8
+    assert buffers.seq_lens.tolist() == [0] * 8 and buffers.slot_mapping.tolist() == [PAD_SLOT_ID] * 16
+    caches = [(k.clone(), v.clone()) for k, v in engine.kv_cache.layers]
+    with torch.no_grad():
+        tokens = mixed_step(model, engine.kv_cache.layers, buffers, (16, 8), sample)
+    assert tokens.shape == (8,)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(engine.kv_cache.layers, caches))
+
+
 def _prefilled_engine(model, prompts):
     """An engine (float64 model: exact comparisons) with ``prompts`` prefilled and one
     token sampled each; returns it and the requests."""

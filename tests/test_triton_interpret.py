@@ -35,6 +35,7 @@ from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
 from compiled_attn.ops.triton_kernels.merge_kernel import merge_block_v  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
     MAX_SPLITS,
+    TileConfig,
     choose_num_splits,
     choose_tiles,
 )
@@ -168,6 +169,19 @@ def test_paged_split_kv(num_splits, differential):
     run_paged(batch, lam, num_splits=num_splits)
     run_paged(batch, lam, num_splits=num_splits, window_size=(20, -1), softcap=4.0,
               alibi_slopes=alibi_slopes(8))
+
+
+def test_paged_forced_tiles():
+    """Tiles and splits forced through the launcher (``profiling/bench_kernels.py
+    --fp8-sweep``): each forced configuration launches as given (a wider query tile, fewer
+    keys a step, a register cap) and is exact."""
+    batch = make_paged_batch([(70, 1), (5, 1), (40, 3), pad(1)], num_heads=8, num_kv_heads=4,
+                             head_size=32, seed=21, unused_fill="nan")
+    for tiles in (TileConfig(16, 16, 4, 3, 1, max_registers=128), TileConfig(32, 64, 4, 5, 1)):
+        args = on_device(*batch.attention_args())
+        out = triton_kernels.paged_attention(*args, tiles=tiles, num_splits=3)
+        assert_close_to_oracle(out, oracle_paged(*batch.attention_args()))
+        assert bool((out[batch.pad_rows] == 0).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -60,7 +60,7 @@ def paged_attention(
     scale: float | None = None, causal: bool = True, window_left: int = -1, window_right: int = -1,
     softcap: float = 0.0, alibi_slopes: Tensor | None = None, scale_softcap: Tensor | None = None,
     k_scale: Tensor | None = None, v_scale: Tensor | None = None, *,
-    out: Tensor | None = None, num_splits: int | None = None,
+    out: Tensor | None = None, num_splits: int | None = None, tiles: TileConfig | None = None,
 ) -> Tensor:
     """The ``compiled_attn::paged_attention`` op on CUDA (arguments as its schema).
 
@@ -76,6 +76,8 @@ def paged_attention(
         out: optional output buffer (``[T, Hq, D]`` or ``[T, Hq/2, 2D]``, query's dtype, last
             dim contiguous); a new tensor otherwise.
         num_splits: force this many flash-decoding splits (tests); default from shapes.
+        tiles: force these tiles (tests, ``profiling/bench_kernels.py --fp8-sweep``); default
+            from shapes (:func:`.config.choose_tiles`).
 
     Returns:
         ``out``.
@@ -85,7 +87,7 @@ def paged_attention(
         k_scale = v_scale = None
     return _attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, max_kv_len,
                       lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes,
-                      scale_softcap, out, num_splits, k_scale, v_scale)
+                      scale_softcap, out, num_splits, k_scale, v_scale, tiles)
 
 
 def varlen_attention(
@@ -118,21 +120,23 @@ class LaunchPlan(NamedTuple):
 
 
 def launch_plan(query: Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int,
-                differential: bool) -> LaunchPlan:
+                differential: bool, kv_dtype: torch.dtype | None = None) -> LaunchPlan:
     """Tiles and flash-decoding splits for these shapes (``max_kv_len`` bounds any
-    sequence's keys); reads no tensor values."""
+    sequence's keys) and the cache's dtype ``kv_dtype`` (``None``: the query's); reads no
+    tensor values."""
     num_tokens, num_heads, head_size = query.shape
     return _launch_plan(num_tokens, num_heads, head_size, num_kv_heads, num_seqs, max_kv_len, differential,
-                        query.dtype, multiprocessor_count(query.device))
+                        query.dtype, multiprocessor_count(query.device), kv_dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(num_tokens: int, num_heads: int, head_size: int, num_kv_heads: int, num_seqs: int,
-                 max_kv_len: int, differential: bool, dtype: torch.dtype, num_sms: int) -> LaunchPlan:
+                 max_kv_len: int, differential: bool, dtype: torch.dtype, num_sms: int,
+                 kv_dtype: torch.dtype | None = None) -> LaunchPlan:
     group_pad = next_power_of_2(num_heads // num_kv_heads)
     head_size_pad = max(16, next_power_of_2(head_size))
     num_kv_units = num_kv_heads // 2 if differential else num_kv_heads
-    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, dtype)
+    tiles = choose_tiles(num_tokens, num_seqs, group_pad, head_size_pad, differential, dtype, kv_dtype)
     num_splits = choose_num_splits(num_seqs, num_tokens, tiles.block_q(group_pad), num_kv_units,
                                    max_kv_len, tiles.programs_per_sm, num_sms)
     return LaunchPlan(tiles, num_splits, group_pad, head_size_pad, num_kv_units)
@@ -169,7 +173,7 @@ class LaunchSpec(NamedTuple):
     grid: tuple[int, int, int]
     int_args: tuple[int, ...]  # strides of q, k, v, the block table, the target and the lse
     constexprs: dict
-    options: dict  # num_warps, num_stages
+    options: dict  # num_warps, num_stages (maxnreg)
     split_shape: tuple[int, ...] | None  # float32 partials [S, T, Hq, Dv]; None: no split
     merge_grid: tuple[int, int, int]
     merge_args: tuple[int, ...]  # num_splits and the strides of the merge
@@ -182,7 +186,7 @@ _MERGE = CachedLauncher(merge_splits_kernel)
 
 
 def _spec_key(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-              scale_softcap, out, num_splits, k_scale, v_scale, pointers) -> tuple:
+              scale_softcap, out, num_splits, k_scale, v_scale, tiles, pointers) -> tuple:
     """What a launch spec and the compiled kernel variants depend on: shapes, strides,
     flags, the device, the dtypes (the cache's: float8_e4m3fn or not) and the 16-byte
     alignment of every pointer (never values)."""
@@ -190,17 +194,17 @@ def _spec_key(query, key, value, num_seqs, block_table, max_kv_len, lambda_full,
             num_seqs, None if block_table is None else (block_table.shape, block_table.stride()), max_kv_len,
             None if lambda_full is None else (lambda_full.numel(), lambda_full.dtype), softcap > 0,
             alibi_slopes is None, scale_softcap is None, k_scale is None, v_scale is None, out.stride(),
-            num_splits, query.get_device(), alignments(pointers))
+            num_splits, tiles, query.get_device(), alignments(pointers))
 
 
 def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-                 scale_softcap, out, num_splits, k_scale, v_scale) -> LaunchSpec:
+                 scale_softcap, out, num_splits, k_scale, v_scale, tiles) -> LaunchSpec:
     differential = lambda_full is not None
     paged = block_table is not None
     num_tokens, num_heads, head_size = query.shape
     plan = _launch_plan(num_tokens, num_heads, head_size, key.shape[-2], num_seqs, max_kv_len, differential,
-                        query.dtype, multiprocessor_count(query.device))
-    tiles = plan.tiles
+                        query.dtype, multiprocessor_count(query.device), key.dtype)
+    tiles = plan.tiles if tiles is None else tiles
     num_splits = plan.num_splits if num_splits is None else num_splits
     if paged:
         k_strides, v_strides = key.stride(), value.stride()
@@ -233,7 +237,7 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
     return LaunchSpec(
         grid=(num_tokens // tiles.block_q(plan.group_pad) + num_seqs, plan.num_kv_units, num_splits),
         int_args=(*query.stride(), *k_strides, *v_strides, table_stride, *target_strides, *lse_strides),
-        constexprs=constexprs, options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        constexprs=constexprs, options=tiles.options(),
         split_shape=split_shape, merge_grid=(num_tokens, out.shape[1], cdiv(value_size, block_v)),
         merge_args=(num_splits, *target_strides[:3], *lse_strides[:2], out.stride(0), out.stride(1)),
         merge_constexprs=merge_constexprs)
@@ -241,10 +245,11 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
 
 def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len, lambda_full, scale,
                causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits,
-               k_scale=None, v_scale=None):
+               k_scale=None, v_scale=None, tiles=None):
     """Launch the unified kernel (and the split merge). ``block_table is None`` means
     contiguous k/v with ``kv_lens = cu_seqlens_k``; else paged with ``kv_lens = seq_lens``.
-    ``k_scale``/``v_scale``: dequantization scales of an fp8 cache, or ``None``."""
+    ``k_scale``/``v_scale``: dequantization scales of an fp8 cache, or ``None``; ``tiles``:
+    forced tiles, or ``None``."""
     num_tokens, _, head_size = query.shape
     out = output_buffer(query, lambda_full is not None, out)
     if num_tokens == 0:
@@ -263,7 +268,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
                 *(query if t is None else t for t in (lambda_full, alibi_slopes, scale_softcap, k_scale, v_scale)))
     num_seqs = cu_seqlens_q.shape[0] - 1
     spec_args = (query, key, value, num_seqs, block_table, max_kv_len, lambda_full, softcap, alibi_slopes,
-                 scale_softcap, out, num_splits, k_scale, v_scale)
+                 scale_softcap, out, num_splits, k_scale, v_scale, tiles)
     shape_key = _spec_key(*spec_args, pointers)
     spec = _SPECS.get(shape_key)
     if spec is None:

@@ -16,13 +16,17 @@ H200 (``profiling/tile_sweep.py``, results in ``profiling/results/triton_kernels
   differential prefill tiles (64 rows or more) take twice that, up to 128 keys, unpipelined.
 * 4 warps up to 8192 accumulator floats per program, else 8; 3 pipeline stages for steps of
   up to 32 KiB, else 2 (shared memory).
+* Decode tiles over a float8_e4m3fn cache read with a 16-bit query (:func:`fp8_decode_tiles`):
+  twice the keys per step while the step stays within ``FP8_STEP_BYTES``, and
+  ``FP8_DECODE_STAGES`` pipeline stages, so that the K/V loads of the next step overlap the
+  dots of this one.
 * Flash-decoding splits (:func:`choose_num_splits`) when the grid is too small to keep
   ``IN_FLIGHT_BYTES`` of K/V requested per multiprocessor, or to give every multiprocessor
   a program at all (small batches; split-count sweep of 2026-11-30 in
   ``profiling/results/triton_kernels.md``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -37,13 +41,16 @@ IN_FLIGHT_BYTES = 262144  # K/V bytes per SM the split heuristic keeps requested
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256  # splits that only add requests in flight
 MIN_KEYS_PER_FILL_SPLIT = 64  # splits that give idle multiprocessors a program
+FP8_STEP_BYTES = 32768  # K/V bytes per key step of an fp8-cache decode tile, at most
+FP8_DECODE_STAGES = 5  # K/V buffers in Triton 3.6: 1 at 2-4 stages, 2 at 5-6, 3 at 7 (fp8_decode_tiles)
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """``block_m`` query rows (``block_m // group_pad`` tokens x ``group_pad`` heads, or half
-    that many tokens when ``stacked``) against ``tile_n`` keys per step; ``num_warps`` and
-    ``num_stages`` as Triton's launch options; ``programs_per_sm``: resident programs that
+    that many tokens when ``stacked``) against ``tile_n`` keys per step; ``num_warps``,
+    ``num_stages`` and ``max_registers`` (a thread's, Triton's ``maxnreg``; ``None``:
+    ptxas's choice) as Triton's launch options; ``programs_per_sm``: resident programs that
     keep ``IN_FLIGHT_BYTES`` requested."""
 
     block_m: int
@@ -52,6 +59,12 @@ class TileConfig:
     num_stages: int
     programs_per_sm: int
     stacked: bool = False
+    max_registers: int | None = None
+
+    def options(self) -> dict:
+        """Triton's launch options."""
+        registers = {} if self.max_registers is None else {"maxnreg": self.max_registers}
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **registers)
 
     def block_q(self, group_pad: int) -> int:
         """Query tokens per tile."""
@@ -59,9 +72,10 @@ class TileConfig:
 
 
 def choose_tiles(num_tokens: int, num_seqs: int, group_pad: int, head_size_pad: int,
-                 differential: bool, dtype: torch.dtype) -> TileConfig:
+                 differential: bool, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> TileConfig:
     """Tiles for a batch of ``num_tokens`` queries in ``num_seqs`` sequences, ``group_pad``
-    query heads (pairs) per KV head (pair), head size padded to ``head_size_pad``."""
+    query heads (pairs) per KV head (pair), head size padded to ``head_size_pad``; ``dtype``
+    the query's, ``kv_dtype`` the cache's (``None``: the query's)."""
     rows_per_seq = triton.cdiv(num_tokens, max(num_seqs, 1)) * group_pad
     stacked = differential and 2 * next_power_of_2(rows_per_seq) <= MIN_BLOCK_M
     # float32 accumulator columns per row, in head sizes: [v1 | v2] once (stacked) or twice
@@ -79,9 +93,34 @@ def choose_tiles(num_tokens: int, num_seqs: int, group_pad: int, head_size_pad: 
     tile_n = max(16, min(128 if wide_steps else 64, step_limit // token_bytes))
     step_bytes = tile_n * token_bytes
     accumulators = block_m * head_size_pad * state * operand
-    return TileConfig(block_m, tile_n, num_warps=4 if accumulators <= 8192 else 8,
-                      num_stages=1 if wide_steps else (3 if step_bytes <= 32768 else 2),
-                      programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes), stacked=stacked)
+    tiles = TileConfig(block_m, tile_n, num_warps=4 if accumulators <= 8192 else 8,
+                       num_stages=1 if wide_steps else (3 if step_bytes <= 32768 else 2),
+                       programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes), stacked=stacked)
+    if kv_dtype == torch.float8_e4m3fn and dtype.itemsize == 2 and block_m == MIN_BLOCK_M:
+        return fp8_decode_tiles(tiles, head_size_pad * kv_loads)
+    return tiles
+
+
+def fp8_decode_tiles(tiles: TileConfig, token_bytes: int) -> TileConfig:
+    """Decode tiles (``block_m`` 16) over a float8_e4m3fn cache, from those of a 16-bit
+    cache (``tiles``); ``token_bytes``: the cache bytes of one key (K and V tiles).
+
+    Triton 3.6 for sm90 (PTX of the B=64 ctx 8k decode, Hq 32, Hkv 8, D 128; registers
+    from ptxas): the 16-bit tiles' 3 stages give K and V one shared-memory buffer each (the
+    block-table load takes a stage of its own), so a program issues the copy of key step
+    ``i + 1`` only after the dots of step ``i`` and then waits for it; with fp8 tiles of 64
+    keys that is 16 KiB requested per program, and 188 registers a thread leave 2 programs
+    a multiprocessor (the bfloat16 kernel: 3 programs of 32 KiB). Here: twice the keys while
+    the step stays within ``FP8_STEP_BYTES`` (the 16-bit step's bytes; the per-key costs of
+    a step shrink: 45.6 against 52 SASS instructions a key), and ``FP8_DECODE_STAGES`` = 5
+    stages, which give K and V two buffers each, so step ``i + 1`` is in flight during
+    step ``i``'s dots (plain D 128: 128 keys, 168 registers, 73 KiB of shared memory, 3
+    programs a multiprocessor). ``programs_per_sm`` is kept, so the split count, and with
+    it the compiled variants that the engine's warm-up enumerates from the query's dtype,
+    are those of the 16-bit cache."""
+    doubled = 2 * tiles.tile_n
+    tile_n = doubled if doubled * token_bytes <= FP8_STEP_BYTES else tiles.tile_n
+    return replace(tiles, tile_n=tile_n, num_stages=FP8_DECODE_STAGES)
 
 
 def choose_num_splits(num_seqs: int, num_tokens: int, block_q: int, num_kv_units: int,
