@@ -169,10 +169,12 @@ def generate(args, tokenizer) -> dict:
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
     tp = None
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if processes != args.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes, "
+                         f"{processes} running: run torchrun --nproc-per-node {args.tensor_parallel_size} "
+                         f"-m compiled_attn.cli generate --tensor-parallel-size {args.tensor_parallel_size} ...")
     if args.tensor_parallel_size > 1:
-        if int(os.environ.get("WORLD_SIZE", 1)) != args.tensor_parallel_size:
-            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes: run "
-                             f"torchrun --nproc-per-node {args.tensor_parallel_size} -m compiled_attn.cli generate ...")
         tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     if args.random_model:
         model = build_random_model(random_model_config(), seed=args.seed, dtype=dtype, device=args.device)

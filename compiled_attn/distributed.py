@@ -81,7 +81,8 @@ def init_tensor_parallel(world_size: int | None = None, rank: int | None = None,
         backend: ``"nccl"`` / ``"gloo"``; default NCCL when CUDA is available, else gloo.
         init_method: as :func:`torch.distributed.init_process_group` (default ``env://``,
             which needs ``MASTER_ADDR`` / ``MASTER_PORT``, set by torchrun).
-        all_reduce: ``"nccl"``: the group's functional all-reduce (NCCL; gloo on CPUs).
+        all_reduce: ``"nccl"``: the process group's own functional all-reduce (NCCL, or gloo's
+            on a gloo group: the CPU's only kind).
             ``"symm_mem"`` (NCCL backend only): a ``SYMM_MEM_MAX_BYTES`` symmetric buffer is
             allocated and rendezvoused here, and :func:`all_reduce` runs torch's
             ``symm_mem::one_shot_all_reduce_copy`` on it (see :func:`_symm_mem_all_reduce`):
@@ -96,18 +97,22 @@ def init_tensor_parallel(world_size: int | None = None, rank: int | None = None,
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``, a process group already
-            initialized with another size, an unknown ``all_reduce``, or ``"symm_mem"``
-            with a backend other than NCCL.
+            initialized with another size, an unknown ``all_reduce`` (or
+            ``COMPILED_ATTN_ALL_REDUCE``), ``"symm_mem"`` with a backend other than NCCL, or
+            NCCL without CUDA.
     """
     global _TP
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    source = "all_reduce"
     if all_reduce is None:
-        all_reduce = os.environ.get("COMPILED_ATTN_ALL_REDUCE", "auto")
+        source, all_reduce = "COMPILED_ATTN_ALL_REDUCE", os.environ.get("COMPILED_ATTN_ALL_REDUCE", "auto")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if all_reduce not in ("auto", *ALL_REDUCE_KINDS):
-        raise ValueError(f"all_reduce must be one of {('auto', *ALL_REDUCE_KINDS)}, got {all_reduce!r}")
+        raise ValueError(f"{source} must be one of {('auto', *ALL_REDUCE_KINDS)}, got {all_reduce!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA GPUs, none is available here; use backend='gloo'")
     if all_reduce == "auto":
         all_reduce = "symm_mem" if backend == "nccl" and _peers_on_one_node(world_size) else "nccl"
     TensorParallel(rank, world_size, all_reduce=all_reduce)  # validates
@@ -171,6 +176,14 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", tp.group_name))
 
 
+def all_reduce_max(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over the group's ranks (a new tensor; eager, off the hot
+    path: e.g. calibration); ``x`` itself when ``world_size == 1``."""
+    if tp.world_size == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "max", tp.group_name))
+
+
 def _group_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The process group's own all-reduce of ``x`` (eager; what ``funcol.all_reduce`` traces to)."""
     c10d = torch.ops._c10d_functional
@@ -216,6 +229,10 @@ symm_mem_all_reduce = define_op(
 register_kernel(symm_mem_all_reduce, "CUDA", _symm_mem_all_reduce)
 
 
+# torch 2.13 names it all_gather_single (all_gather_tensor, its old name, warns in eager code)
+_ALL_GATHER = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
+
 def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:
     """The ranks' ``x`` concatenated along ``dim`` in rank order (``[..., n, ...]`` ->
     ``[..., world_size * n, ...]``); ``x`` itself when ``world_size == 1``."""
@@ -225,7 +242,7 @@ def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tens
     # that through torch._utils._maybe_view_chunk_cat, which Dynamo of torch 2.11 refuses to trace
     # (a graph break under fullgraph; seen on the H200 pair, 2026-11-30). A flatten of moved dims
     # instead makes Dynamo guard the row count (a recompile per batch size).
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, tp.group_name))
+    gathered = funcol.wait_tensor(_ALL_GATHER(x.contiguous(), 0, tp.group_name))
     # [world * rows, ...] -> [world, rows, ...] -> [..., world * n, ...]
     return torch.cat(gathered.view(tp.world_size, *x.shape).unbind(0), dim=dim)
 
@@ -237,14 +254,13 @@ def _cpu_group(tp: TensorParallel) -> dist.ProcessGroup:
     return _CPU_GROUPS[tp.group_name]
 
 
-def same_on_every_rank(obj, tp: TensorParallel) -> bool:
-    """Whether every rank's ``obj`` equals rank 0's (a broadcast and a gloo all-reduce; the
-    same answer on every rank)."""
+def all_ranks(flag: bool, tp: TensorParallel) -> bool:
+    """Whether ``flag`` holds on every rank (a gloo all-reduce; the same answer on every rank)."""
     if tp.world_size == 1:
-        return True
-    same = torch.tensor([int(broadcast_object(obj, tp) == obj)])
-    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=_cpu_group(tp))
-    return bool(same.item())
+        return flag
+    every = torch.tensor([int(flag)])
+    dist.all_reduce(every, op=dist.ReduceOp.MIN, group=_cpu_group(tp))
+    return bool(every.item())
 
 
 def broadcast_object(obj, tp: TensorParallel):

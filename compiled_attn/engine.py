@@ -216,9 +216,12 @@ class Engine:
         tp = getattr(model, "tp", None)  # tensor parallelism: rank 0's requests on every rank
         self._sync = RequestSync(tp) if tp is not None and tp.world_size > 1 else None
         if self._sync is not None:
-            self._sync.check_engine((self.max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-                                     enable_prefix_caching, compile, self.cuda_graphs, capture_sizes,
-                                     mixed_capture_sizes, async_decode, str(self.kv_cache_dtype)))
+            self._sync.check_engine(dict(
+                max_model_len=self.max_model_len, block_size=block_size, num_blocks=num_blocks,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching, compile=compile, cuda_graphs=self.cuda_graphs,
+                capture_sizes=capture_sizes, mixed_capture_sizes=mixed_capture_sizes, async_decode=async_decode,
+                warmup=warmup, kv_cache_dtype=str(self.kv_cache_dtype), kv_scales=kv_scales, model_config=config))
         self._warming_up = False
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
@@ -459,10 +462,13 @@ class Engine:
         """On tensor-parallel rank 0, once idle: end the other ranks' :meth:`serve_worker`.
 
         Raises:
-            RuntimeError: no tensor parallelism, not rank 0, or requests still unfinished.
+            RuntimeError: no tensor parallelism, not rank 0, requests still unfinished, or
+                the workers stopped already (no step since the last ``stop_workers``).
         """
         if self._sync is None or not self._sync.leader or self.has_unfinished():
             raise RuntimeError("stop_workers() runs on tensor-parallel rank 0 once its requests are done")
+        if self._sync.stopped:
+            raise RuntimeError("stop_workers() was called already: the other ranks have left serve_worker()")
         self._sync.exchange(stop=True)
 
     def capture(self):

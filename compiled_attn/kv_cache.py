@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from .block_allocator import BlockAllocator, OutOfBlocksError
+from .distributed import all_reduce_max
 from .ops.arith import cdiv
 from .ops.validation import FP8_DTYPE, FP8_MAX
 
@@ -137,7 +138,7 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         if not 0 < value <= FP8_MAX:
             raise ValueError(f"{name} must lie in (0, {FP8_MAX:g}], got {value}")
     param = next(model.parameters())
-    config = model.config
+    config = getattr(model, "tp_config", model.config)  # a tensor-parallel shard caches its own KV heads
     blocks = [cdiv(len(p), block_size) for p in prompts]
     caches = allocate_kv_caches(model.num_cache_layers, sum(blocks), block_size, config.num_key_value_heads,
                                 config.head_dim, param.dtype, param.device)
@@ -147,9 +148,14 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         first += n
     md = build_metadata(chunks, block_size, max(blocks), param.device, sum(blocks))
     model(md, caches)
+    # [layers, 2] largest |k|, |v| per layer (unwritten slots hold zeros); over the KV heads of
+    # every rank for a tensor-parallel shard, so that all ranks get the unsharded model's scales
+    peaks = torch.stack([torch.stack([k.abs().max(), v.abs().max()]).float() for k, v in caches])
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        peaks = all_reduce_max(peaks, tp)
     scales = []
-    for layer, (key_cache, value_cache) in enumerate(caches):  # unwritten slots hold zeros
-        peaks = [cache.abs().max().float().item() for cache in (key_cache, value_cache)]
+    for layer, peaks in enumerate(peaks.tolist()):
         if not all(math.isfinite(p) for p in peaks):
             raise ValueError(f"calibrate_kv_scales: cache layer {layer} has non-finite keys or values")
         scales.append(tuple(p / r if p > 0 else 1.0 for p, r in zip(peaks, (k_range, v_range))))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .distributed import TensorParallel, broadcast_object, same_on_every_rank
+from .distributed import TensorParallel, all_ranks, broadcast_object
 from .scheduler import Request
 
 
@@ -41,7 +41,7 @@ class RequestSync:
 
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
-        self.stopped = False  # other ranks: rank 0 called stop_workers
+        self.stopped = False  # rank 0 called stop_workers (and, on rank 0, has not stepped since)
         self._queued: deque[Request] = deque()  # added on this rank, not yet exchanged
 
     @property
@@ -57,16 +57,20 @@ class RequestSync:
         """Queue a request added on this rank until the next :meth:`exchange`."""
         self._queued.append(request)
 
-    def check_engine(self, settings: tuple) -> None:
-        """Raise on every rank unless every rank's engine ``settings`` equal rank 0's (the
-        schedule depends on them).
+    def check_engine(self, settings: dict) -> None:
+        """Raise on every rank unless every rank's engine ``settings`` (name -> value) equal
+        rank 0's (the schedule depends on them).
 
         Raises:
-            RuntimeError: some rank's settings differ from rank 0's.
+            RuntimeError: some rank's settings differ from rank 0's; a differing rank names
+                the settings, the others say that another rank differs.
         """
-        if not same_on_every_rank(settings, self.tp):
-            raise RuntimeError(f"the engines of the tensor-parallel ranks differ (rank {self.tp.rank}: {settings}); "
-                               "build them with the same arguments on every rank")
+        leader = broadcast_object(settings, self.tp)
+        differ = [name for name, value in settings.items() if leader.get(name) != value]
+        if not all_ranks(not differ, self.tp):
+            detail = "; ".join(f"{name}: {settings[name]!r} here, {leader.get(name)!r} on rank 0" for name in differ)
+            raise RuntimeError(f"the engines of the tensor-parallel ranks differ ({detail or 'on another rank'}); "
+                               "build them with the same arguments and the same model config on every rank")
 
     def exchange(self, stop: bool = False) -> list[Request]:
         """The step's broadcast: every rank calls it at the start of each step and gets the
@@ -78,6 +82,7 @@ class RequestSync:
         """
         message, sent = None, []  # nothing new: the common step, one 8-byte broadcast
         if self.leader:
+            self.stopped = stop  # rank 0: whether its last exchange stopped the other ranks
             sent, self._queued = list(self._queued), deque()
             if stop or sent:
                 message = (stop, [(r.request_id, r.prompt_ids, r.params, r.seed) for r in sent])
@@ -94,9 +99,10 @@ class RequestSync:
                 continue
             own = self._queued.popleft()
             if (own.prompt_ids, own.params) != (prompt_ids, params):
-                raise RuntimeError(f"rank {self.tp.rank} added request {own.request_id} unlike rank 0's "
-                                   f"{request_id}: every rank must add the same requests in the same order, "
-                                   "or none (Engine.serve_worker)")
+                what = "prompt" if own.prompt_ids != prompt_ids else "sampling parameters"
+                raise RuntimeError(f"rank {self.tp.rank}'s request {own.request_id} differs from rank 0's request "
+                                   f"{request_id} in its {what}: every rank must add the same requests in the same "
+                                   "order, or none (Engine.serve_worker)")
             own.request_id, own.seed = request_id, seed
             requests.append(own)
         return requests

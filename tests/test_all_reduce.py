@@ -45,7 +45,7 @@ def test_unknown_kind_raises(monkeypatch):
     with pytest.raises(ValueError, match="all_reduce must be one of"):
         init_tensor_parallel(1, 0, backend="gloo", all_reduce="ring")
     monkeypatch.setenv("COMPILED_ATTN_ALL_REDUCE", "ring")
-    with pytest.raises(ValueError, match="got 'ring'"):
+    with pytest.raises(ValueError, match="COMPILED_ATTN_ALL_REDUCE must be one of .*got 'ring'"):
         init_tensor_parallel(1, 0, backend="gloo")
 
 
@@ -169,3 +169,9 @@ def test_symm_mem_all_reduce_matches_nccl_on_two_gpus():
     results = mp.Manager().dict()
     mp.spawn(_gpu_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
     assert results[0] == [] and results[1] == [], dict(results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs"):
+        init_tensor_parallel(2, 0, backend="nccl")

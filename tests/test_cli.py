@@ -358,3 +358,10 @@ def test_bad_profile_paths_exit_2_before_the_model_loads(capsys, tmp_path, monke
     assert file.read_text() == "root:x:0:0\n"
     assert main([*BASE, "--max-new-tokens", "1", "--profile", str(tmp_path / "a" / "b")]) == 2
     assert "the model loaded" in capsys.readouterr().err and (tmp_path / "a" / "b").is_dir()  # created first
+
+
+def test_torchrun_processes_must_match_the_tensor_parallel_size(capsys, monkeypatch):
+    """Two processes and the default --tensor-parallel-size 1 would print every output twice."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*BASE, "--max-new-tokens", "1"]) == 2
+    assert "--tensor-parallel-size 1 needs as many processes, 2 running" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from compiled_attn.distributed import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from compiled_attn.engine import Engine
+from compiled_attn.kv_cache import calibrate_kv_scales
 from compiled_attn.metadata import SequenceChunk, build_metadata
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.models.sharding import check_tensor_parallel, shard_model
@@ -80,6 +81,9 @@ def _worker(rank: int, port: int, results: dict) -> None:
                 outputs.append([c.output_ids for c in engine.generate(PROMPTS, params)[0]])
             sampled = [c.output_ids for c in Engine(shard, block_size=4, compile=False).generate(
                 PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9), seed=3)[0]]
+            # fp8 calibration of a shard: the unsharded model's scales (maxima over every rank's KV heads)
+            scales = [calibrate_kv_scales(m, PROMPTS) for m in (full, shard)]
+            torch.testing.assert_close(scales[1], scales[0], rtol=1e-5, atol=0)
             results[(rank, name)] = (outputs[0], outputs[1], sampled)
     finally:
         destroy_tensor_parallel()
@@ -130,6 +134,12 @@ def test_sizes_that_do_not_split_raise():
                     TensorParallel(0, 2))
 
 
+def test_a_shard_is_not_sharded_again():
+    shard = shard_model(build_random_model(GQA), TensorParallel(0, 2))
+    with pytest.raises(ValueError, match="shard already"):
+        shard_model(shard, TensorParallel(0, 2))
+
+
 def test_world_of_one_is_unchanged():
     model = build_random_model(GQA)
     assert shard_model(model, TensorParallel()) is model
@@ -158,6 +168,8 @@ def _serving_worker(rank: int, port: int, results: dict) -> None:
             while engine.has_unfinished():
                 engine.step()
             engine.stop_workers()
+            with pytest.raises(RuntimeError, match="called already"):
+                engine.stop_workers()
             results[rank] = [r.output_ids for r in requests + [again]]
         else:
             engine.serve_worker()
@@ -187,29 +199,38 @@ def test_rank0_requests_reach_a_serving_worker():
     assert all(len(tokens) == 6 for tokens in results[0])
     assert results[1] == "stopped twice"
     # (rank 0 then fails in the step's first collective, its peer having left)
-    assert re.search(r"rank 1 added request \d+ unlike rank 0's", results[(1, "mismatch")])
+    assert re.search(r"rank 1's request \d+ differs from rank 0's request \d+ in its prompt", results[(1, "mismatch")])
 
 
 def _settings_worker(rank: int, port: int, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     tp = init_tensor_parallel(WORLD, rank, backend="gloo")
+    cases = {"num_blocks": (GQA, dict(num_blocks=32 + rank)), "warmup": (GQA, dict(warmup=rank == 0)),
+             "model_config": (dataclasses.replace(GQA, eos_token_id=5 if rank == 0 else None), {})}
     try:
-        Engine(shard_model(_model(GQA, True), tp), block_size=4, num_blocks=32 + rank, compile=False)
-        results[rank] = None
-    except RuntimeError as error:
-        results[rank] = str(error)
+        for name, (config, kwargs) in cases.items():
+            try:
+                Engine(shard_model(_model(config, True), tp), block_size=4, compile=False, **kwargs)
+                results[(rank, name)] = None
+            except RuntimeError as error:
+                results[(rank, name)] = str(error)
     finally:
         destroy_tensor_parallel()
 
 
 def test_engines_built_unlike_on_the_ranks_raise_on_every_rank():
-    """The schedule depends on the engine's settings: ranks whose engines differ (here
-    num_blocks) all raise before any step, instead of hanging in a collective."""
+    """The schedule depends on the engine's settings and the model's config: ranks whose
+    engines differ (num_blocks, warmup, the model's EOS id) all raise before any step,
+    instead of hanging in a collective; the differing rank names the setting."""
     results = mp.Manager().dict()
     mp.spawn(_settings_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
-    for rank in range(WORLD):
-        assert results[rank] is not None and "engines of the tensor-parallel ranks differ" in results[rank], rank
+    for name in ("num_blocks", "warmup", "model_config"):
+        for rank in range(WORLD):
+            error = results[(rank, name)]
+            assert error is not None and "engines of the tensor-parallel ranks differ" in error, (name, rank)
+        assert f"{name}: " in results[(1, name)] and "on rank 0" in results[(1, name)], name
+    assert "num_blocks: 33 here, 32 on rank 0" in results[(1, "num_blocks")]
 
 
 GPU_CONFIG = dataclasses.replace(GQA, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

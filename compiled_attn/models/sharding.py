@@ -53,15 +53,17 @@ def check_tensor_parallel(config: DiffLlamaConfig, world_size: int) -> None:
     """Raise ``ValueError`` unless ``config`` splits evenly over ``world_size`` ranks.
 
     Needed: query pairs (``num_attention_heads / 2``), KV pairs (``num_key_value_heads / 2``),
-    ``intermediate_size`` and ``vocab_size`` each divisible by ``world_size``.
+    ``intermediate_size`` and ``vocab_size`` each divisible by ``world_size``: a rank holds
+    whole head pairs and their KV cache. A plain-attention model built from the same config
+    (``differential=False``) splits by pairs too: its shard's config must be valid.
     """
     sizes = {"query head pairs (num_attention_heads / 2)": config.num_attention_heads // 2,
              "KV head pairs (num_key_value_heads / 2)": config.num_key_value_heads // 2,
              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
     bad = [f"{name} = {n}" for name, n in sizes.items() if n % world_size]
     if bad:
-        raise ValueError(f"tensor parallelism over {world_size} ranks needs each of these divisible by "
-                         f"{world_size}: {', '.join(bad)} (a rank holds whole head pairs and their KV cache)")
+        raise ValueError(f"tensor parallelism over {world_size} ranks (the tensor-parallel size) needs each of "
+                         f"these divisible by {world_size}: {', '.join(bad)}")
 
 
 def shard_config(config: DiffLlamaConfig, world_size: int) -> DiffLlamaConfig:
@@ -110,10 +112,14 @@ def shard_model(model: DiffLlamaForCausalLM, tp: TensorParallel) -> DiffLlamaFor
 
     Raises:
         ValueError: sizes that do not divide by ``tp.world_size`` (:func:`check_tensor_parallel`),
-            checked before any weight changes.
+            or a model that is a shard already (``model.tp_config`` set); checked before any
+            weight changes.
     """
     if tp.world_size == 1:
         return model
+    if getattr(model, "tp_config", None) is not None:
+        raise ValueError("model is a tensor-parallel shard already (model.tp_config is set): shard a full "
+                         "model once, e.g. load_diffllama(path, tp=tp) or shard_model(load_diffllama(path), tp)")
     config, r, w = model.config, tp.rank, tp.world_size
     model.tp_config = shard_config(config, w)
     for module in model.modules():
