@@ -182,18 +182,16 @@ class CUDAGraphRunner:
             sampled tokens); called for warm-up and inside the capture.
         sizes: capture sizes (ints or tuples; captured largest first).
         warmup_steps: eager calls per size before its capture.
-        greedy_variants: the sampling variants captured per size.
         pool: the memory pool to capture into (``torch.cuda.graph_pool_handle()``; graphs
             of several runners may share one when their replays never overlap); a new one
             by default.
     """
 
     def __init__(self, step: Callable[..., torch.Tensor], sizes: Sequence, warmup_steps: int = 2,
-                 greedy_variants: Sequence[bool] = (False, True), pool=None) -> None:
+                 pool=None) -> None:
         self.step = step
         self.sizes = sorted(set(sizes))
         self.warmup_steps = warmup_steps
-        self.greedy_variants = tuple(greedy_variants)
         self.pool = pool
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -216,7 +214,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         pool = self.pool = self.pool or torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size, greedy in itertools.product(reversed(self.sizes), self.greedy_variants):
+        for size, greedy in itertools.product(reversed(self.sizes), (False, True)):
             try:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):

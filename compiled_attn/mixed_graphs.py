@@ -18,8 +18,9 @@ shape ``(tokens, seqs)`` and replayed. The attention ops read no tensor values o
   (:func:`~compiled_attn.ops.triton_kernels.config.choose_tiles`): a long chunk keeps
   prefill-sized tiles;
 * **draws** (sampled tokens: one per chunk, plus parallel samples) are padded to the
-  sequence count; the sampler runs on every row (temperature-0 rows take the argmax
-  inside it), so each shape has one graph, not a greedy one beside it.
+  sequence count. As for decode steps, each shape has two graphs: one that runs the
+  sampler, and one that takes the argmax for a step whose draws are all greedy (vLLM's
+  ``all_greedy``: no sort, no noise, and no sampling inputs to write).
 
 A step that fits no captured shape runs the compiled model directly (see
 :meth:`~compiled_attn.model_runner.ModelRunner.run_chunks`).
@@ -107,13 +108,14 @@ class MixedBuffers:
         return AttentionMetadata(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens],
                                  self.cu_seqlens_q[: seqs + 1], self.seq_lens[:seqs], self.block_table[:seqs])
 
-    def write(self, packed: PackedChunks, shape: tuple[int, int], draws: Sequence[tuple[int, float, float, int, int]]
-              ) -> None:
+    def write(self, packed: PackedChunks, shape: tuple[int, int], draws: Sequence[tuple[int, float, float, int, int]],
+              greedy: bool = False) -> None:
         """Copy one step into the buffers, padded to ``shape`` (from :meth:`padded_shape`).
 
         ``draws`` holds ``(sequence, temperature, top_p, seed, position)`` per sampled
-        token. Only the step's own ``block_table`` rows are written: a padding sequence has
-        no keys, so its row is never read.
+        token; ``greedy`` (every draw takes the argmax) writes their rows only. Only the
+        step's own ``block_table`` rows are written: a padding sequence has no keys, so its
+        row is never read.
         """
         tokens, seqs = shape
         pad_tokens, pad_seqs, pad_draws = tokens - packed.num_tokens, seqs - packed.num_seqs, seqs - len(draws)
@@ -126,11 +128,10 @@ class MixedBuffers:
             "seq_lens": packed.seq_lens + [0] * pad_seqs,
             "block_table": packed.block_table,
             "draw_rows": rows + [0] * pad_draws,
-            "temperature": temperature + [0.0] * pad_draws,
-            "top_p": top_p + [1.0] * pad_draws,
-            "seeds": seeds + [0] * pad_draws,
-            "sample_positions": positions + [0] * pad_draws,
         }
+        if not greedy:
+            host.update(temperature=temperature + [0.0] * pad_draws, top_p=top_p + [1.0] * pad_draws,
+                        seeds=seeds + [0] * pad_draws, sample_positions=positions + [0] * pad_draws)
         for name, values in host.items():
             if values:
                 buffer = getattr(self, name)
@@ -143,10 +144,13 @@ class MixedBuffers:
 
 
 def mixed_step(forward: Callable, kv_caches, buffers: MixedBuffers, shape: tuple[int, int],
-               sampler: Callable) -> torch.Tensor:
-    """Forward the buffers as a ``shape = (tokens, seqs)`` batch and sample every draw row;
-    returns ``[seqs]`` int64 tokens (the first ``len(draws)`` are the step's)."""
+               sampler: Callable, greedy: bool = False) -> torch.Tensor:
+    """Forward the buffers as a ``shape = (tokens, seqs)`` batch and sample every draw row
+    (``greedy``: take its argmax, the sampler's token at temperature 0); returns ``[seqs]``
+    int64 tokens (the first ``len(draws)`` are the step's)."""
     tokens, seqs = shape
-    logits = forward(buffers.metadata(tokens, seqs), kv_caches)  # [seqs, vocab]
-    return sampler(logits[buffers.draw_rows[:seqs]], buffers.temperature[:seqs], buffers.top_p[:seqs],
-                   buffers.seeds[:seqs], buffers.sample_positions[:seqs])
+    logits = forward(buffers.metadata(tokens, seqs), kv_caches)[buffers.draw_rows[:seqs]]  # [seqs, vocab]
+    if greedy:
+        return logits.argmax(dim=-1)
+    return sampler(logits, buffers.temperature[:seqs], buffers.top_p[:seqs], buffers.seeds[:seqs],
+                   buffers.sample_positions[:seqs])

@@ -124,9 +124,10 @@ class ModelRunner:
         shape = (self.mixed_buffers.padded_shape(packed.num_tokens, packed.num_seqs, len(draws))
                  if self.mixed_graphs is not None else None)
         if shape is not None:
-            self.mixed_buffers.write(packed, shape, draws)
+            greedy = all(temperature == 0 for _, temperature, *_ in draws)
+            self.mixed_buffers.write(packed, shape, draws, greedy)
             with record_function("replay"):
-                return self.mixed_graphs.replay(shape)[: len(draws)].tolist()
+                return self.mixed_graphs.replay(shape, greedy)[: len(draws)].tolist()
         md = packed.to_device(self.device)
         if self.paged_prefill:
             md.prefill_only = False
@@ -194,11 +195,11 @@ class ModelRunner:
         def step(shape: tuple[int, int], greedy: bool) -> torch.Tensor:
             if not torch.cuda.is_current_stream_capturing():  # a warm-up run: valid padding of this shape
                 self.mixed_buffers.write_padding(shape)
-            return mixed_step(self.forward, self.kv_cache.layers, self.mixed_buffers, shape, self.sampler)
+            return mixed_step(self.forward, self.kv_cache.layers, self.mixed_buffers, shape, self.sampler, greedy)
 
         with record_function("capture"):
             pool = None if self.graph_runner is None else self.graph_runner.pool
-            runner = CUDAGraphRunner(step, self.mixed_buffers.sizes, greedy_variants=(False,), pool=pool)
+            runner = CUDAGraphRunner(step, self.mixed_buffers.sizes, pool=pool)
             self.mixed_capture_stats = runner.capture()
         self.mixed_graphs = runner
         return self.mixed_capture_stats

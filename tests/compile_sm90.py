@@ -66,10 +66,14 @@ def compile_for_sm90(kernel, kwargs: dict, options: dict):
             signature[param.name] = "constexpr"
             constants[(param.num,)] = arg
             continue
-        signature[param.name] = jit.mangle_type(arg)
-        spec = jit.native_specialize_impl(BaseBackend, arg, param.is_const, not param.do_not_specialize,
-                                          not param.do_not_specialize_on_alignment)[1]
-        if isinstance(spec, str):
+        # an int equal to 1 specializes to a constant, as in a real launch (strides of 1 matter:
+        # without them every load of a unit-stride dim compiles to one scalar load per element)
+        kind, spec = jit.native_specialize_impl(BaseBackend, arg, param.is_const, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constants[(param.num,)] = arg
+        elif isinstance(spec, str):
             attrs[(param.num,)] = backend.parse_attr(spec)
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=TARGET, options=options)
 

@@ -67,7 +67,7 @@ def test_mixed_graph_replays_with_prefix_hits_and_chunked_prefill_give_the_token
     assert graphed.runner.mixed_capture_stats.sizes == graphed.runner.mixed_buffers.sizes
     replays = []
     replay = graphed.runner.mixed_graphs.replay
-    graphed.runner.mixed_graphs.replay = lambda shape: replays.append(shape) or replay(shape)
+    graphed.runner.mixed_graphs.replay = lambda shape, greedy: replays.append(shape) or replay(shape, greedy)
     got, _ = graphed.generate(prompts, params, seed=5)
     assert len(replays) > 10 and max(t for t, _ in replays) == 64
     mismatched = [i for i, (a, b) in enumerate(zip(compiled, got)) if a.output_ids != b.output_ids]

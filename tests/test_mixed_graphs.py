@@ -126,17 +126,18 @@ def test_padded_step_equals_the_unpadded_forward_and_writes_only_real_slots():
         assert k[free].isnan().all() and v[free].isnan().all()  # pad tokens wrote nothing
 
 
-def _emulate_mixed_graphs(engine: Engine, sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _emulate_mixed_graphs(engine: Engine, sizes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
     """Give the engine mixed buffers of ``sizes`` and a runner that replays by running the
-    padded step eagerly; returns the shapes replayed."""
+    padded step eagerly; returns the ``(tokens, seqs, greedy)`` variants replayed."""
     runner = engine.runner
     runner.mixed_buffers = MixedBuffers(sizes, engine.max_blocks_per_seq, "cpu")
     used = []
 
     class Replayer:
-        def replay(self, shape):
-            used.append(shape)
-            return mixed_step(runner.forward, engine.kv_cache.layers, runner.mixed_buffers, shape, runner.sampler)
+        def replay(self, shape, greedy):
+            used.append((*shape, greedy))
+            return mixed_step(runner.forward, engine.kv_cache.layers, runner.mixed_buffers, shape, runner.sampler,
+                              greedy)
 
     runner.mixed_graphs = Replayer()
     return used
@@ -162,7 +163,13 @@ def test_engine_with_mixed_graphs_gives_the_tokens_of_compiled_steps(budget):
     got = graphed.generate(prompts, params, seed=3)[0]
     assert [c.output_ids for c in got] == [c.output_ids for c in plain]
     assert [s.output_ids for s in got[2].samples] == [s.output_ids for s in plain[2].samples]
-    assert used and all(t <= (budget or 2048) for t, _ in used)
+    assert used and all(t <= (budget or 2048) for t, _, _ in used)
+    assert not all(greedy for *_, greedy in used)  # steps with sampled draws ran the sampler's graphs
+    used.clear()  # all-greedy requests: the argmax graphs
+    greedy_params = SamplingParams(max_new_tokens=5)
+    assert ([c.output_ids for c in graphed.generate(prompts, greedy_params)[0]]
+            == [c.output_ids for c in engine().generate(prompts, greedy_params)[0]])
+    assert used and all(greedy for *_, greedy in used)
 
 
 def test_bad_mixed_capture_sizes_are_clear_errors():
