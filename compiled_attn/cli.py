@@ -13,6 +13,7 @@ Examples::
     compiled-attn profile-report runs/trace             # runs/trace/<worker>.<ns>.report.html
     torchrun --nproc-per-node 2 -m compiled_attn.cli generate --tensor-parallel-size 2   # tensor parallel
     compiled-attn bench --batch-sizes 1 64
+    torchrun --nproc-per-node 2 -m compiled_attn.cli bench --tensor-parallel-size 2   # an ~8 B model, TP=2
     compiled-attn train --out runs/default              # the shipped ~7 M model (H200: a few minutes)
     compiled-attn train --tiny --steps 50 --seq-len 128 --batch-rows 8 --no-compile   # CPU smoke run
 """
@@ -39,6 +40,7 @@ from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
+from .tp_benchmark import run_tp_bench
 from .train_cli import add_train_arguments, bounded, run_train_command
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def push(self, item):")
@@ -118,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="KV-cache dtype of our engine's runtimes (auto = bfloat16, the model's)")
     bench.add_argument("--results-dir", type=Path, default=Path("profiling/results"),
-                       help="where decode.md and decode.jsonl are appended")
+                       help="where decode.md and decode.jsonl are appended (tp_decode.jsonl with TP)")
+    bench.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                       help="under torchrun --nproc-per-node N: the decode step of an ~8 B model sharded over N "
+                            "ranks, compiled with our CUDA graphs (compiled_attn.tp_benchmark); --modes do not apply")
+    bench.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                       help="cpu: only with --tensor-parallel-size (gloo, a 3 M model: a smoke test)")
     report = commands.add_parser("profile-report", help="write one self-contained HTML report of a --profile trace "
                                  "(phase shares, decode steps apart from prefill, top ops and kernels, timeline)")
     report.add_argument("path", type=Path, metavar="DIR", help="a --profile directory (its newest trace) or a trace file")
@@ -129,6 +136,31 @@ def build_parser() -> argparse.ArgumentParser:
                                 "standard library's source through our ops (see compiled_attn.train)")
     add_train_arguments(train)
     return parser
+
+
+def _check_world(tensor_parallel_size: int, command: str) -> None:
+    """Raise ``ValueError`` unless torchrun started ``tensor_parallel_size`` processes."""
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if processes != tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs as many processes, "
+                         f"{processes} running: run torchrun --nproc-per-node {tensor_parallel_size} "
+                         f"-m compiled_attn.cli {command} --tensor-parallel-size {tensor_parallel_size} ...")
+
+
+def _bench_tp(args) -> None:
+    """``bench --tensor-parallel-size N``: :func:`~compiled_attn.tp_benchmark.run_tp_bench`."""
+    if args.tensor_parallel_size == 1:
+        raise ValueError("bench --device cpu needs --tensor-parallel-size N > 1 (the CUDA bench's runtimes need a GPU)")
+    _check_world(args.tensor_parallel_size, "bench")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError("bench --tensor-parallel-size takes no --kv-cache-dtype (its cache is the model's dtype)")
+    tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
+    try:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        run_tp_bench(tp, args.batch_sizes, args.prompt_len, args.new_tokens, args.device,
+                     args.results_dir / "tp_decode.jsonl")
+    finally:
+        destroy_tensor_parallel()
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
@@ -169,11 +201,7 @@ def generate(args, tokenizer) -> dict:
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     start = time.perf_counter()
     tp = None
-    processes = int(os.environ.get("WORLD_SIZE", 1))
-    if processes != args.tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes, "
-                         f"{processes} running: run torchrun --nproc-per-node {args.tensor_parallel_size} "
-                         f"-m compiled_attn.cli generate --tensor-parallel-size {args.tensor_parallel_size} ...")
+    _check_world(args.tensor_parallel_size, "generate")
     if args.tensor_parallel_size > 1:
         tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     if args.random_model:
@@ -289,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.command == "bench":
         try:
+            if args.tensor_parallel_size > 1 or args.device == "cpu":
+                _bench_tp(args)
+                return 0
             table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir,
                               kv_cache_dtype=args.kv_cache_dtype)
         except ValueError as err:

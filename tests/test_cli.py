@@ -365,3 +365,10 @@ def test_torchrun_processes_must_match_the_tensor_parallel_size(capsys, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([*BASE, "--max-new-tokens", "1"]) == 2
     assert "--tensor-parallel-size 1 needs as many processes, 2 running" in capsys.readouterr().err
+
+
+def test_cpu_bench_needs_tensor_parallelism(capsys):
+    assert main(["bench", "--device", "cpu"]) == 2
+    assert "bench --device cpu needs --tensor-parallel-size N > 1" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size 2 needs as many processes, 1 running" in capsys.readouterr().err

@@ -8,6 +8,7 @@ symmetric-memory all-reduce as over NCCL."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -269,3 +270,21 @@ def test_tp2_engine_with_symm_mem_all_reduce_gives_the_tokens_of_nccl():
         nccl, symm_mem = results[(rank, "nccl")], results[(rank, "symm_mem")]
         assert symm_mem == nccl and nccl[1:] == (0, 0, True), rank
         assert all(len(tokens) == 16 for tokens in nccl[0])
+
+
+def _bench_worker(rank: int, port: int, results_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank))
+    torch.set_num_threads(1)
+    from compiled_attn.cli import main
+
+    assert main(["bench", "--tensor-parallel-size", "2", "--device", "cpu", "--batch-sizes", "1", "3",
+                 "--prompt-len", "6", "--new-tokens", "3", "--results-dir", results_dir]) == 0
+
+
+def test_cli_bench_with_tensor_parallelism_times_decode_on_rank_0(tmp_path):
+    """``compiled-attn bench --tensor-parallel-size 2`` (here gloo, the 3 M model): rank 0
+    appends one record per batch size."""
+    mp.spawn(_bench_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    records = [json.loads(line) for line in (tmp_path / "tp_decode.jsonl").read_text().splitlines()]
+    assert [(r["tp"], r["batch"], r["device"]) for r in records] == [(2, 1, "cpu"), (2, 3, "cpu")]
+    assert all(r["step_seconds"] > 0 for r in records)
