@@ -143,8 +143,9 @@ def _check_world(tensor_parallel_size: int, command: str) -> None:
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if processes != tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs as many processes, "
-                         f"{processes} running: run torchrun --nproc-per-node {tensor_parallel_size} "
-                         f"-m compiled_attn.cli {command} --tensor-parallel-size {tensor_parallel_size} ...")
+                         f"{processes} running: pass --tensor-parallel-size {processes}, or run torchrun "
+                         f"--nproc-per-node {tensor_parallel_size} -m compiled_attn.cli {command} "
+                         f"--tensor-parallel-size {tensor_parallel_size} ...")
 
 
 def _bench_tp(args) -> None:
@@ -154,6 +155,11 @@ def _bench_tp(args) -> None:
     _check_world(args.tensor_parallel_size, "bench")
     if args.kv_cache_dtype != "auto":
         raise ValueError("bench --tensor-parallel-size takes no --kv-cache-dtype (its cache is the model's dtype)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench --tensor-parallel-size on --device cuda needs CUDA GPUs; --device cpu runs a smoke test")
+    if args.new_tokens < 2 or min(args.batch_sizes) < 1:
+        raise ValueError(f"bench needs --new-tokens >= 2 (a decode step to time) and --batch-sizes >= 1, got "
+                         f"{args.new_tokens} and {args.batch_sizes}")
     tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     try:
         args.results_dir.mkdir(parents=True, exist_ok=True)

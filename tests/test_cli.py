@@ -364,11 +364,21 @@ def test_torchrun_processes_must_match_the_tensor_parallel_size(capsys, monkeypa
     """Two processes and the default --tensor-parallel-size 1 would print every output twice."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([*BASE, "--max-new-tokens", "1"]) == 2
-    assert "--tensor-parallel-size 1 needs as many processes, 2 running" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size 1 needs as many processes, 2 running: pass --tensor-parallel-size 2" in err
 
 
-def test_cpu_bench_needs_tensor_parallelism(capsys):
+def test_tensor_parallel_bench_errors_name_its_flags(capsys, monkeypatch):
     assert main(["bench", "--device", "cpu"]) == 2
     assert "bench --device cpu needs --tensor-parallel-size N > 1" in capsys.readouterr().err
     assert main(["bench", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
     assert "--tensor-parallel-size 2 needs as many processes, 1 running" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (errors come before any process group)
+    tp2 = ["bench", "--tensor-parallel-size", "2", "--device", "cpu"]
+    assert main([*tp2, "--new-tokens", "1"]) == 2
+    assert "--new-tokens >= 2" in capsys.readouterr().err
+    assert main([*tp2, "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes >= 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--tensor-parallel-size", "2"]) == 2
+        assert "needs CUDA GPUs; --device cpu runs a smoke test" in capsys.readouterr().err
