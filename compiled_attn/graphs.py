@@ -6,8 +6,8 @@ capture size ``n`` the step over the first ``n`` rows is captured once (largest 
 into one shared memory pool, after warm-up runs that keep Triton autotuning and
 compilation out of the graph). A real batch of ``b`` rows replays the graph of the
 smallest size ``n >= b``; rows ``b .. n-1`` are padding with kernel-safe values
-(``seq_len`` 0, slot ``PAD_SLOT_ID``, block 0, greedy), which attend to nothing, write
-nothing and produce zeros, never NaN. Without graphs (CPU, batches above the largest
+(``seq_len`` 0, slot ``PAD_SLOT_ID``, greedy; their block-table rows keep whatever valid ids
+they held), which attend to nothing, write nothing and produce zeros, never NaN. Without graphs (CPU, batches above the largest
 size) the same step function runs directly on ``b`` rows.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .block_allocator import slot_of
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, block_table_rows
 from .ops import PAD_SLOT_ID
 from .sampling import sample
 
@@ -101,7 +101,6 @@ class DecodeBuffers:
         if not len(rows) <= size <= self.max_rows:
             raise ValueError(f"need len(rows) <= size <= {self.max_rows}, got {len(rows)} rows, size {size}")
         pad = size - len(rows)
-        width = self.block_table.shape[1]
         bs = self.block_size
         host = {
             "input_ids": [r.token_id for r in rows] + [0] * pad,
@@ -109,8 +108,6 @@ class DecodeBuffers:
             "slot_mapping": [slot_of(r.block_table, r.position, bs) for r in rows]
             + [PAD_SLOT_ID] * pad,
             "seq_lens": [r.position + 1 for r in rows] + [0] * pad,
-            "block_table": [list(r.block_table) + [0] * (width - len(r.block_table)) for r in rows]
-            + [[0] * width] * pad,
             "temperature": [r.temperature for r in rows] + [0.0] * pad,
             "top_p": [r.top_p for r in rows] + [1.0] * pad,
             "seeds": [r.seed for r in rows] + [0] * pad,
@@ -118,6 +115,9 @@ class DecodeBuffers:
         for name, values in host.items():
             buffer = getattr(self, name)
             buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        if rows:  # the rows' own block ids only: a padding row has no keys, so its table is never read
+            table = block_table_rows([r.block_table for r in rows])
+            self.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
 
     def set_block(self, row: int, index: int, block_id: int) -> None:
         """Write one new block id (a sequence crossed into a new block).

@@ -103,10 +103,21 @@ pytree.register_pytree_node(
 )
 
 
+def block_table_rows(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``rows`` of block ids as an int32 host tensor ``[len(rows), longest row]``, shorter
+    rows padded with block 0: the columns a step reads. A row past them is never read (a
+    sequence's keys end within its blocks), so buffers take this much and no more, which
+    for long ``max_model_len`` is a small part of their width."""
+    width = max(map(len, rows), default=0)
+    return torch.tensor([list(row) + [0] * (width - len(row)) for row in rows], dtype=torch.int32).view(len(rows),
+                                                                                                         width)
+
+
 @dataclass(frozen=True)
 class PackedChunks:
     """Host lists of one step's metadata (:func:`pack_chunks`), field names as
-    :class:`AttentionMetadata`'s; ``block_table`` rows are padded to ``max_blocks_per_seq``."""
+    :class:`AttentionMetadata`'s; ``block_table`` holds each sequence's block ids, unpadded
+    (``max_blocks_per_seq`` is the width of the tensor they go to)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -114,6 +125,7 @@ class PackedChunks:
     cu_seqlens_q: list[int]
     seq_lens: list[int]
     block_table: list[list[int]]
+    max_blocks_per_seq: int
     prefill_only: bool
 
     @property
@@ -129,13 +141,16 @@ class PackedChunks:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+        rows = block_table_rows(self.block_table)
+        table = torch.zeros((self.num_seqs, self.max_blocks_per_seq), dtype=torch.int32)
+        table[:, : rows.shape[1]] = rows
         return AttentionMetadata(
             input_ids=tensor(self.input_ids, torch.int64),
             positions=tensor(self.positions, torch.int64),
             slot_mapping=tensor(self.slot_mapping, torch.int64),
             cu_seqlens_q=tensor(self.cu_seqlens_q, torch.int32),
             seq_lens=tensor(self.seq_lens, torch.int32),
-            block_table=tensor(self.block_table, torch.int32),
+            block_table=table.to(device, non_blocking=True),
             prefill_only=self.prefill_only,
             query_lens=tuple(b - a for a, b in zip(self.cu_seqlens_q, self.cu_seqlens_q[1:])),
         )
@@ -185,8 +200,8 @@ def pack_chunks(
         slots.extend(slot_of(table, p, block_size) for p in pos)
         cu_seqlens.append(cu_seqlens[-1] + query_len)
         seq_lens.append(seq_len)
-        tables.append(table + [0] * (max_blocks_per_seq - len(table)))
-    return PackedChunks(input_ids, positions, slots, cu_seqlens, seq_lens, tables,
+        tables.append(table)
+    return PackedChunks(input_ids, positions, slots, cu_seqlens, seq_lens, tables, max_blocks_per_seq,
                         prefill_only=all(c.context_len == 0 for c in chunks))
 
 
@@ -202,4 +217,5 @@ def build_metadata(
     return pack_chunks(chunks, block_size, max_blocks_per_seq, num_blocks).to_device(device)
 
 
-__all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "build_metadata", "pack_chunks"]
+__all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "block_table_rows", "build_metadata",
+           "pack_chunks"]

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .metadata import AttentionMetadata, PackedChunks
+from .metadata import AttentionMetadata, PackedChunks, block_table_rows
 from .ops import PAD_SLOT_ID
 
 MAX_CAPTURE_TOKENS = 2048
@@ -114,8 +114,9 @@ class MixedBuffers:
 
         ``draws`` holds ``(sequence, temperature, top_p, seed, position)`` per sampled
         token; ``greedy`` (every draw takes the argmax) writes their rows only. Only the
-        step's own ``block_table`` rows are written: a padding sequence has no keys, so its
-        row is never read.
+        step's own ``block_table`` rows, and in them the columns up to the longest
+        (:func:`~compiled_attn.metadata.block_table_rows`), are written: a padding sequence
+        has no keys, so its row is never read.
         """
         tokens, seqs = shape
         pad_tokens, pad_seqs, pad_draws = tokens - packed.num_tokens, seqs - packed.num_seqs, seqs - len(draws)
@@ -126,7 +127,6 @@ class MixedBuffers:
             "slot_mapping": packed.slot_mapping + [PAD_SLOT_ID] * pad_tokens,
             "cu_seqlens_q": packed.cu_seqlens_q + [tokens] * pad_seqs,
             "seq_lens": packed.seq_lens + [0] * pad_seqs,
-            "block_table": packed.block_table,
             "draw_rows": rows + [0] * pad_draws,
         }
         if not greedy:
@@ -136,11 +136,14 @@ class MixedBuffers:
             if values:
                 buffer = getattr(self, name)
                 buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        if packed.block_table:
+            table = block_table_rows(packed.block_table)
+            self.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
 
     def write_padding(self, shape: tuple[int, int]) -> None:
         """Write a step of ``shape`` that is all padding (what capturing runs on: the
         attention kernels need ``cu_seqlens_q`` to end at the token count)."""
-        self.write(PackedChunks([], [], [], [0], [], [], prefill_only=False), shape, [])
+        self.write(PackedChunks([], [], [], [0], [], [], self.block_table.shape[1], prefill_only=False), shape, [])
 
 
 def mixed_step(forward: Callable, kv_caches, buffers: MixedBuffers, shape: tuple[int, int],

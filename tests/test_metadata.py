@@ -11,7 +11,9 @@ from compiled_attn.metadata import (
     TENSOR_FIELDS,
     AttentionMetadata,
     SequenceChunk,
+    block_table_rows,
     build_metadata,
+    pack_chunks,
 )
 
 BLOCK_SIZE = 4
@@ -148,3 +150,11 @@ def test_pytree_spec_differs_by_prefill_only_and_keys_name_fields():
     assert pytree.tree_structure(a) != pytree.tree_structure(b)
     paths = [path for path, _ in pytree.tree_flatten_with_path(a)[0]]
     assert [p[0].name for p in paths] == list(TENSOR_FIELDS)
+
+
+def test_block_table_rows_pad_to_the_longest_row_only():
+    assert block_table_rows([[3, 5], [7], [1, 2, 4]]).tolist() == [[3, 5, 0], [7, 0, 0], [1, 2, 4]]
+    assert block_table_rows([]).shape == (0, 0)
+    packed = pack_chunks([SequenceChunk([1, 2, 3], 0, [6])], block_size=4, max_blocks_per_seq=5)
+    assert packed.block_table == [[6]]  # unpadded on the host; the device tensor has the full width
+    assert packed.to_device("cpu").block_table.tolist() == [[6, 0, 0, 0, 0]]

@@ -55,7 +55,7 @@ def test_write_pads_tokens_into_one_padding_sequence():
     assert buffers.slot_mapping.tolist() == [4 * 4 + 2, 4 * 4 + 3, 1 * 4, 3 * 4 + 2] + [PAD_SLOT_ID] * 4
     assert buffers.cu_seqlens_q.tolist() == [0, 3, 4, 8, 8]  # the padding sequence holds tokens 4..7
     assert buffers.seq_lens.tolist() == [5, 7, 0, 0]
-    assert buffers.block_table[:2].tolist() == [[4, 1, 0], [2, 3, 0]]
+    assert buffers.block_table[:2].tolist() == [[4, 1, 0], [2, 3, 0]]  # (the third column: not written)
     assert buffers.draw_rows.tolist() == [1, 0, 0, 0]
     assert buffers.temperature.tolist() == [0.5, 0.0, 0.0, 0.0]
     assert buffers.seeds.tolist() == [11, 12, 0, 0] and buffers.sample_positions.tolist() == [7, 5, 0, 0]
