@@ -114,13 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 "reduce-overhead, transformers (CUDA)")
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     bench.add_argument("--prompt-len", type=int, default=512)
-    bench.add_argument("--new-tokens", type=int, default=256)
+    bench.add_argument("--new-tokens", type=int, default=None,
+                       help="tokens generated per prompt (default 256; 128 with --tensor-parallel-size)")
     bench.add_argument("--modes", nargs="+", default=["eager", "compiled", "graphs", "reduce-overhead", "hf"],
                        choices=["eager", "compiled", "graphs", "reduce-overhead", "hf"])
     bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="KV-cache dtype of our engine's runtimes (auto = bfloat16, the model's)")
-    bench.add_argument("--results-dir", type=Path, default=Path("profiling/results"),
-                       help="where decode.md and decode.jsonl are appended (tp_decode.jsonl with TP)")
+    bench.add_argument("--results-dir", type=Path, default=None,
+                       help="where decode.md and decode.jsonl are appended (tp_decode.jsonl with TP); default "
+                            "profiling/results on CUDA, nowhere for the CPU smoke run")
     bench.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                        help="under torchrun --nproc-per-node N: the decode step of an ~8 B model sharded over N "
                             "ranks, compiled with our CUDA graphs (compiled_attn.tp_benchmark); --modes do not apply")
@@ -157,14 +159,17 @@ def _bench_tp(args) -> None:
         raise ValueError("bench --tensor-parallel-size takes no --kv-cache-dtype (its cache is the model's dtype)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench --tensor-parallel-size on --device cuda needs CUDA GPUs; --device cpu runs a smoke test")
-    if args.new_tokens < 2 or min(args.batch_sizes) < 1:
+    new_tokens = args.new_tokens or 128
+    if new_tokens < 2 or min(args.batch_sizes) < 1:
         raise ValueError(f"bench needs --new-tokens >= 2 (a decode step to time) and --batch-sizes >= 1, got "
-                         f"{args.new_tokens} and {args.batch_sizes}")
+                         f"{new_tokens} and {args.batch_sizes}")
+    results_dir = args.results_dir or (Path("profiling/results") if args.device == "cuda" else None)
     tp = init_tensor_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     try:
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        run_tp_bench(tp, args.batch_sizes, args.prompt_len, args.new_tokens, args.device,
-                     args.results_dir / "tp_decode.jsonl")
+        if results_dir is not None:
+            results_dir.mkdir(parents=True, exist_ok=True)
+        run_tp_bench(tp, args.batch_sizes, args.prompt_len, new_tokens, args.device,
+                     None if results_dir is None else results_dir / "tp_decode.jsonl")
     finally:
         destroy_tensor_parallel()
 
@@ -326,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.tensor_parallel_size > 1 or args.device == "cpu":
                 _bench_tp(args)
                 return 0
-            table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens, args.modes, args.results_dir,
-                              kv_cache_dtype=args.kv_cache_dtype)
+            table = run_bench(args.batch_sizes, args.prompt_len, args.new_tokens or 256, args.modes,
+                              args.results_dir or Path("profiling/results"), kv_cache_dtype=args.kv_cache_dtype)
         except ValueError as err:
             print(f"compiled-attn: error: {err}", file=sys.stderr)
             return 2

@@ -11,7 +11,8 @@ Built on ``torch.distributed`` (NCCL on GPUs, gloo on CPUs). The collectives are
 place, so ``torch.compile(fullgraph=True)`` traces them into the graph (no graph break) and a
 CUDA graph captures them. A :class:`TensorParallel` with ``world_size == 1`` never calls them.
 
-The all-reduce has a second, opt-in kind on CUDA, ``"symm_mem"``: a one-shot all-reduce
+The all-reduce has a second kind on CUDA, ``"symm_mem"``, the default on one node whose
+GPUs have peer access (``all_reduce="auto"``): a one-shot all-reduce
 through torch's symmetric memory (``torch.distributed._symmetric_memory``; the idea of
 vLLM's ``SymmMemCommunicator`` and of its custom all-reduce: every rank stages its input in
 a buffer that the peers map over NVLink, then reads and sums all ranks' copies in one
@@ -117,7 +118,7 @@ def init_tensor_parallel(world_size: int | None = None, rank: int | None = None,
         all_reduce = "symm_mem" if backend == "nccl" and _peers_on_one_node(world_size) else "nccl"
     TensorParallel(rank, world_size, all_reduce=all_reduce)  # validates
     if all_reduce == "symm_mem" and backend != "nccl":
-        raise ValueError(f"all_reduce='symm_mem' needs CUDA GPUs and the NCCL backend, got backend={backend!r}")
+        raise ValueError(f"{source}='symm_mem' needs CUDA GPUs and the NCCL backend, got backend={backend!r}")
     if world_size == 1:
         _TP = TensorParallel(all_reduce=all_reduce)
         return _TP

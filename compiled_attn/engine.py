@@ -221,7 +221,8 @@ class Engine:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, compile=compile, cuda_graphs=self.cuda_graphs,
                 capture_sizes=capture_sizes, mixed_capture_sizes=mixed_capture_sizes, async_decode=async_decode,
-                warmup=warmup, kv_cache_dtype=str(self.kv_cache_dtype), kv_scales=kv_scales, model_config=config))
+                warmup=warmup, kv_cache_dtype=str(self.kv_cache_dtype), kv_scales=kv_scales, model_config=config,
+                model_dtype=str(self.dtype), all_reduce=tp.all_reduce))
         self._warming_up = False
         self.warmup_seconds = self.warmup() if warmup else 0.0
 
@@ -460,6 +461,7 @@ class Engine:
 
     def stop_workers(self) -> None:
         """On tensor-parallel rank 0, once idle: end the other ranks' :meth:`serve_worker`.
+        It is a collective: it waits until every other rank is in ``serve_worker``.
 
         Raises:
             RuntimeError: no tensor parallelism, not rank 0, requests still unfinished, or

@@ -54,7 +54,7 @@ def test_symm_mem_needs_nccl(monkeypatch):
                                          r"got backend='gloo'"):
         init_tensor_parallel(WORLD, 0, backend="gloo", all_reduce="symm_mem")
     monkeypatch.setenv("COMPILED_ATTN_ALL_REDUCE", "symm_mem")
-    with pytest.raises(ValueError, match="all_reduce='symm_mem'"):
+    with pytest.raises(ValueError, match="COMPILED_ATTN_ALL_REDUCE='symm_mem' needs CUDA GPUs"):
         init_tensor_parallel(1, 0, backend="gloo")
     assert init_tensor_parallel(1, 0, backend="gloo", all_reduce="nccl").all_reduce == "nccl"
     assert init_tensor_parallel(1, 0, backend="gloo", all_reduce="auto").all_reduce == "nccl"  # gloo: no symm_mem

@@ -21,7 +21,7 @@ from compiled_attn.distributed import TensorParallel, destroy_tensor_parallel, i
 from compiled_attn.engine import Engine
 from compiled_attn.kv_cache import calibrate_kv_scales
 from compiled_attn.metadata import SequenceChunk, build_metadata
-from compiled_attn.models import DiffLlamaConfig, build_random_model
+from compiled_attn.models import DiffLlamaConfig, build_random_model, save_diffllama
 from compiled_attn.models.sharding import check_tensor_parallel, shard_model
 from compiled_attn.sampling import SamplingParams
 
@@ -135,10 +135,12 @@ def test_sizes_that_do_not_split_raise():
                     TensorParallel(0, 2))
 
 
-def test_a_shard_is_not_sharded_again():
+def test_a_shard_is_not_sharded_again_nor_saved(tmp_path):
     shard = shard_model(build_random_model(GQA), TensorParallel(0, 2))
     with pytest.raises(ValueError, match="shard already"):
         shard_model(shard, TensorParallel(0, 2))
+    with pytest.raises(ValueError, match="tensor-parallel shard"):
+        save_diffllama(shard, tmp_path / "shard")
 
 
 def test_world_of_one_is_unchanged():

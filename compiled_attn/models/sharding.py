@@ -62,7 +62,7 @@ def check_tensor_parallel(config: DiffLlamaConfig, world_size: int) -> None:
              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
     bad = [f"{name} = {n}" for name, n in sizes.items() if n % world_size]
     if bad:
-        raise ValueError(f"tensor parallelism over {world_size} ranks (the tensor-parallel size) needs each of "
+        raise ValueError(f"tensor parallelism over {world_size} ranks (--tensor-parallel-size) needs each of "
                          f"these divisible by {world_size}: {', '.join(bad)}")
 
 

@@ -80,8 +80,9 @@ def save_diffllama(model: DiffLlamaForCausalLM, directory: str | Path,
         TypeError: ``model`` is not a :class:`DiffLlamaForCausalLM`, or ``dtype`` is not a
             floating-point ``torch.dtype``.
         ValueError: ``model`` was built with ``differential=False`` (a plain Llama has no
-            DiffLlama checkpoint), or a weight holds NaN or infinity (the loader would refuse
-            the file; the message names the tensor).
+            DiffLlama checkpoint), is a tensor-parallel shard (save the full model), or a
+            weight holds NaN or infinity (the loader would refuse the file; the message
+            names the tensor).
         FileExistsError: ``directory`` exists and is not a directory.
     """
     if not isinstance(model, DiffLlamaForCausalLM):
@@ -89,6 +90,8 @@ def save_diffllama(model: DiffLlamaForCausalLM, directory: str | Path,
     if not model.differential:
         raise ValueError("model was built with differential=False; only differential models have a "
                          "Hugging Face DiffLlama checkpoint format (model)")
+    if getattr(model, "tp_config", None) is not None:
+        raise ValueError("model is a tensor-parallel shard (model.tp_config is set); save the full model")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     directory = Path(directory)
