@@ -39,7 +39,8 @@
 #                                        # prefill; TTFT/TPOT percentiles; the prefix-cache run traced, its
 #                                        # profile-report to $OUT) and bench_kernels fp8 (fp8 KV cache)
 #   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
-#                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14)
+#                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14;
+#                                        # TP_BENCH="2" picks sizes, TP_GENERATE=0 skips the token compare)
 #   bash profiling/gpu_suite.sh pytest FILE...  # pytest -m gpu on these test files (PYTEST_SECONDS, default 300;
 #                                        # PYTEST_ARGS, extra arguments; PYTEST_WORKERS, default 4, 0: one process)
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
