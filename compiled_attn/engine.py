@@ -157,7 +157,8 @@ class Engine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  compile: bool = True, compile_kwargs: dict | None = None,
                  cuda_graphs: bool | None = None, capture_sizes: Sequence[int] | None = None,
-                 mixed_capture_sizes: Sequence[tuple[int, int]] | None = None, async_decode: bool = True, warmup: bool = True, kv_cache_dtype: str = "auto",
+                 mixed_capture_sizes: Sequence[tuple[int, int]] | None = None, async_decode: bool = True,
+                 warmup: bool = True, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[tuple[float, float]] | None = None) -> None:
         config = model.config
         param = next(model.parameters())
@@ -355,7 +356,7 @@ class Engine:
 
         A request with ``n > 1`` samples whose prompt this step completes gets its other
         ``n - 1`` samples here, each drawing its first token from the same logits."""
-        if self.runner.mixed_buffers is not None and self.runner.mixed_graphs is None and not self._warming_up:
+        if self.runner.mixed_capture_pending and not self._warming_up:
             self.runner.capture_mixed()  # (warm-up captures at its end, after its compiled mixed steps)
         start = time.perf_counter()
         draws = [(i, c.request) for i, c in enumerate(chunks)]  # (chunk, request drawing a token)
@@ -481,7 +482,7 @@ class Engine:
         with engine_mode():
             if self.runner.graph_runner is None:
                 self.runner.capture()
-            if self.runner.mixed_buffers is not None and self.runner.mixed_graphs is None:
+            if self.runner.mixed_capture_pending:
                 self.runner.capture_mixed()
         return self.runner.capture_stats
 

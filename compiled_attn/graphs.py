@@ -7,8 +7,9 @@ into one shared memory pool, after warm-up runs that keep Triton autotuning and
 compilation out of the graph). A real batch of ``b`` rows replays the graph of the
 smallest size ``n >= b``; rows ``b .. n-1`` are padding with kernel-safe values
 (``seq_len`` 0, slot ``PAD_SLOT_ID``, greedy; their block-table rows keep whatever valid ids
-they held), which attend to nothing, write nothing and produce zeros, never NaN. Without graphs (CPU, batches above the largest
-size) the same step function runs directly on ``b`` rows.
+they held), which attend to nothing, write nothing and produce zeros, never NaN. Without
+graphs (CPU, batches above the largest size) the same step function runs directly on ``b``
+rows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from .block_allocator import slot_of
-from .metadata import AttentionMetadata, block_table_rows
+from .metadata import AttentionMetadata, write_buffers
 from .ops import PAD_SLOT_ID
 from .sampling import sample
 
@@ -112,12 +113,8 @@ class DecodeBuffers:
             "top_p": [r.top_p for r in rows] + [1.0] * pad,
             "seeds": [r.seed for r in rows] + [0] * pad,
         }
-        for name, values in host.items():
-            buffer = getattr(self, name)
-            buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-        if rows:  # the rows' own block ids only: a padding row has no keys, so its table is never read
-            table = block_table_rows([r.block_table for r in rows])
-            self.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
+        # the rows' own block ids only: a padding row has no keys, so its table is never read
+        write_buffers(self, host, [r.block_table for r in rows])
 
     def set_block(self, row: int, index: int, block_id: int) -> None:
         """Write one new block id (a sequence crossed into a new block).

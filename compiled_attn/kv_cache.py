@@ -155,10 +155,10 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     if tp is not None:
         peaks = all_reduce_max(peaks, tp)
     scales = []
-    for layer, peaks in enumerate(peaks.tolist()):
-        if not all(math.isfinite(p) for p in peaks):
+    for layer, layer_peaks in enumerate(peaks.tolist()):
+        if not all(math.isfinite(p) for p in layer_peaks):
             raise ValueError(f"calibrate_kv_scales: cache layer {layer} has non-finite keys or values")
-        scales.append(tuple(p / r if p > 0 else 1.0 for p, r in zip(peaks, (k_range, v_range))))
+        scales.append(tuple(p / r if p > 0 else 1.0 for p, r in zip(layer_peaks, (k_range, v_range))))
     return scales
 
 

@@ -113,6 +113,21 @@ def block_table_rows(rows: Sequence[Sequence[int]]) -> torch.Tensor:
                                                                                                          width)
 
 
+def write_buffers(owner, columns: dict[str, list], block_tables: Sequence[Sequence[int]]) -> None:
+    """Copy host ``columns`` (attribute name -> values) into the leading entries of
+    ``owner``'s device buffers of those names, and ``block_tables`` into the top-left corner
+    of ``owner.block_table`` (:func:`block_table_rows`): the static buffers of a decode or
+    mixed step (:mod:`compiled_attn.graphs`, :mod:`compiled_attn.mixed_graphs`), written by
+    non-blocking copies. Empty columns are left as they are."""
+    for name, values in columns.items():
+        if values:
+            buffer = getattr(owner, name)
+            buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+    if block_tables:
+        table = block_table_rows(block_tables)
+        owner.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PackedChunks:
     """Host lists of one step's metadata (:func:`pack_chunks`), field names as
@@ -167,8 +182,9 @@ def pack_chunks(
     Args:
         chunks: the sequences of this step, in batch order.
         block_size: tokens per cache block.
-        max_blocks_per_seq: width of ``block_table`` (fixed, so compiled graphs and
-            captured CUDA graphs see one shape); rows are padded with block 0.
+        max_blocks_per_seq: width of the ``block_table`` tensor (fixed, so compiled graphs
+            and captured CUDA graphs see one shape; :meth:`PackedChunks.to_device` pads the
+            rows with block 0); a longer table is an error.
         num_blocks: when given, block ids are checked against ``[0, num_blocks)``.
 
     Raises:
@@ -218,4 +234,4 @@ def build_metadata(
 
 
 __all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "block_table_rows", "build_metadata",
-           "pack_chunks"]
+           "pack_chunks", "write_buffers"]

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .metadata import AttentionMetadata, PackedChunks, block_table_rows
+from .metadata import AttentionMetadata, PackedChunks, write_buffers
 from .ops import PAD_SLOT_ID
 
 MAX_CAPTURE_TOKENS = 2048
@@ -132,13 +132,7 @@ class MixedBuffers:
         if not greedy:
             host.update(temperature=temperature + [0.0] * pad_draws, top_p=top_p + [1.0] * pad_draws,
                         seeds=seeds + [0] * pad_draws, sample_positions=positions + [0] * pad_draws)
-        for name, values in host.items():
-            if values:
-                buffer = getattr(self, name)
-                buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-        if packed.block_table:
-            table = block_table_rows(packed.block_table)
-            self.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
+        write_buffers(self, host, packed.block_table)
 
     def write_padding(self, shape: tuple[int, int]) -> None:
         """Write a step of ``shape`` that is all padding (what capturing runs on: the

@@ -188,6 +188,11 @@ class ModelRunner:
         self.graph_runner, self.decode_layout = runner, None
         return self.capture_stats
 
+    @property
+    def mixed_capture_pending(self) -> bool:
+        """Mixed-step shapes to capture and no graphs of them yet."""
+        return self.mixed_buffers is not None and self.mixed_graphs is None
+
     def capture_mixed(self) -> CaptureStats:
         """Capture the mixed step for every ``(tokens, seqs)`` shape of the mixed buffers,
         into the decode graphs' memory pool (replays never overlap: each step's tokens are

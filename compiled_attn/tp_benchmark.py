@@ -36,6 +36,8 @@ TP_BENCH_CONFIG = DiffLlamaConfig(
 
 
 def _random_shard(config: DiffLlamaConfig, tp: TensorParallel, device: str, dtype: torch.dtype):
+    # Drawn on the device: build_random_model draws float32 weights on the CPU, for 8 B
+    # parameters 32 GB and minutes per rank.
     torch.manual_seed(0)
     with torch.device(device):
         model = DiffLlamaForCausalLM(config).to(dtype)
