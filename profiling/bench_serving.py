@@ -83,7 +83,8 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
     ttft = sorted(r["ttft"] for r in records)
     steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
                       for kind, ms in step_ms.items() if ms)
-    steps += "; median ms of " + ", ".join(f"{name} {statistics.median(ms):.2f}" for name, ms in calls_ms.items() if ms)
+    steps += "; median ms of " + ", ".join(f"{name} {statistics.median(ms):.2f} ({len(ms)}x)"
+                                       for name, ms in calls_ms.items() if ms)
     mixed = engine.runner.mixed_capture_stats
     print(f"engine warm-up {engine.warmup_seconds:.1f} s ({len(mixed.sizes) if mixed else 0} mixed-step graphs "
           f"captured in {mixed.seconds if mixed else 0:.1f} s); "
@@ -96,8 +97,22 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
 
 def _time_calls(engine: Engine) -> dict[str, list[float]]:
     """Wrap the parts of a mixed step (the in-flight decode read, scheduling, the runner's
-    step, its mixed-buffer writes) to record each call's wall milliseconds."""
+    step, its mixed-buffer writes) to record each call's wall milliseconds, and on CUDA a
+    mixed-step graph replay's device milliseconds per ``(tokens, seqs)`` shape (CUDA events
+    around it; waiting for the end event moves the step's wait from its readback here)."""
     calls_ms = {}
+    graphs = engine.runner.mixed_graphs
+    if graphs is not None and torch.cuda.is_available():
+        def replay(shape, greedy=False, _fn=graphs.replay):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            tokens = _fn(shape, greedy)
+            end.record()
+            end.synchronize()
+            calls_ms.setdefault(f"replay {shape[0]}x{shape[1]} (device)", []).append(begin.elapsed_time(end))
+            return tokens
+
+        graphs.replay = replay
     parts = {"drain": (engine, "_drain"), "schedule": (engine.scheduler, "schedule"),
              "run_chunks": (engine.runner, "run_chunks")}
     if engine.runner.mixed_buffers is not None:
@@ -133,6 +148,8 @@ def main() -> None:
                         help="also trace the first --profile-steps steps of a third, untimed run of the "
                              "prefix-caching scenario into DIR (compiled-attn profile-report DIR reads it)")
     parser.add_argument("--profile-steps", type=int, default=48)
+    parser.add_argument("--scenarios", nargs="+", choices=("system-prompt", "long-prompts"),
+                        default=("system-prompt", "long-prompts"))
     args = parser.parse_args()
     cuda = args.device == "cuda"
     config = BENCH_CONFIG if cuda else random_model_config()
@@ -150,6 +167,18 @@ def main() -> None:
                       num_blocks=cdiv(n * max_len, 16) // 4, **kwargs)
 
     rows = []
+    if "system-prompt" in args.scenarios:
+        rows += system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len)
+    if "long-prompts" in args.scenarios:
+        rows += long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, args.seed)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
+                                                            f"({'bf16' if cuda else 'fp32'}), {device}"))
+
+
+def system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len) -> list[ResultRow]:
+    """TTFT percentiles and throughput with a shared system prompt, prefix caching off and on."""
+    rows = []
     system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]
     shared = traffic(n, rate, vocab, args.seed, system, 64, 64, max_len)
     runs = {caching: serve(engine(enable_prefix_caching=caching), shared) for caching in (False, True)}
@@ -165,10 +194,15 @@ def main() -> None:
     for caching, (_, seconds, tokens) in runs.items():
         rows.append(ResultRow(f"{case}: throughput, prefix caching {'on' if caching else 'off'}", "tokens/s",
                               tokens / seconds, "-", 1))
+    return rows
 
-    short = traffic(n, rate, vocab, args.seed + 1, [], 32, 64, max_len)
+
+def long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, seed) -> list[ResultRow]:
+    """TPOT p99 of short requests while long prompts arrive, without and with a token budget."""
+    rows = []
+    short = traffic(n, rate, vocab, seed + 1, [], 32, 64, max_len)
     longs = [(t, [random.Random(i).randrange(vocab) for _ in range(long_len)], 4)
-             for i, (t, _, _) in enumerate(traffic(max(2, n // 8), rate / 8, vocab, args.seed + 2, [], 1, 1, max_len))]
+             for i, (t, _, _) in enumerate(traffic(max(2, n // 8), rate / 8, vocab, seed + 2, [], 1, 1, max_len))]
     mixed = sorted(short + longs, key=lambda a: a[0])
     alone, _, _ = serve(engine(enable_prefix_caching=False), short)
     alone_p99 = percentile([r["tpot"] for r in alone if r["tpot"] is not None], 99) * 1e3
@@ -179,9 +213,7 @@ def main() -> None:
         rows.append(ResultRow(f"{n} short requests + {len(longs)} prompts of {long_len}: TPOT p99 of the short, "
                               f"{label}", "ms", percentile(tpot, 99) * 1e3, "short requests alone p99 ms", alone_p99,
                               "<= 2" if kwargs else ""))
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
-                                                            f"({'bf16' if cuda else 'fp32'}), {device}"))
+    return rows
 
 
 if __name__ == "__main__":

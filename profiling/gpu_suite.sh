@@ -37,7 +37,9 @@
 #                                        # prefill kernel's tile sweep (issue 12)
 #   bash profiling/gpu_suite.sh serving  # profiling/bench_serving.py on the 1.1 B model (prefix caching, chunked
 #                                        # prefill; TTFT/TPOT percentiles; the prefix-cache run traced, its
-#                                        # profile-report to $OUT) and bench_kernels fp8 (fp8 KV cache)
+#                                        # profile-report to $OUT), trace_mixed.py (kernels of mixed-step replays)
+#                                        # and bench_kernels fp8 (fp8 KV cache; SERVING_FP8=0
+#                                        # leaves it out; SERVING_ARGS: more bench_serving.py arguments)
 #   bash profiling/gpu_suite.sh tp       # on nvidia-h200-x2: greedy tokens TP=2 against TP=1 (embedded model,
 #                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14;
 #                                        # TP_BENCH="2" picks sizes, TP_GENERATE=0 skips the token compare)
@@ -233,11 +235,14 @@ prefill)
     ;;
 serving)
     mkdir -p "$out/results"
+    # shellcheck disable=SC2086  # SERVING_ARGS: extra arguments, e.g. "--scenarios system-prompt"
     run bench_serving "${SERVING_SECONDS:-480}" python3 "$repo/profiling/bench_serving.py" --device cuda --results-dir "$out/results" \
-        --profile /tmp/serving_trace
+        --profile /tmp/serving_trace ${SERVING_ARGS:-}
     # what the prefix-cache run's steps spend (its log shares bench_serving.log: at most 8 files come back)
     run bench_serving 120 python3 -m compiled_attn.cli profile-report /tmp/serving_trace --out "$out/serving_report.html"
-    run bench_fp8 100 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts fp8
+    # where a mixed step's device time goes, kernel by kernel (prefix hit, no prefix, decode)
+    run bench_serving 150 python3 "$repo/profiling/trace_mixed.py"
+    [ "${SERVING_FP8:-1}" = 1 ] && run bench_fp8 100 python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" --parts fp8
     echo "== summary"
     cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null
     ;;

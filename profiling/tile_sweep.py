@@ -8,9 +8,11 @@ sets the flash-decoding splits) replaces the shape heuristic of
 medians). The current heuristic's choice is marked ``*``.
 
 With ``--splits`` it sweeps the flash-decoding split count instead (default tiles, the
-heuristic's count marked ``*``) over small-batch decode shapes.
+heuristic's count marked ``*``) over small-batch decode shapes; with ``--chunk-splits``
+over mixed steps as the engine's graphs launch them (prefill chunks, decode rows and a
+padding sequence; a block table as wide as a 16k ``max_model_len``).
 
-    python profiling/tile_sweep.py [--splits]
+    python profiling/tile_sweep.py [--splits | --chunk-splits]
 """
 
 from __future__ import annotations
@@ -121,12 +123,55 @@ def split_regime(batch, context, differential):
         print(f"{ms * 1e3:8.2f} us  {label}")
 
 
+def chunk_inputs(rows: list[tuple[int, int]], table_width: int, head_size: int):
+    """Paged inputs of a mixed step: ``rows`` of ``(cached keys, new tokens)``, a sequence
+    with 0 keys for padding tokens, every block-table row ``table_width`` blocks wide."""
+    blocks = max(len(rows) * table_width, 1)
+    key_cache = torch.randn(blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size, dtype=DTYPE, device="cuda")
+    value_cache = torch.randn_like(key_cache)
+    table = torch.randperm(blocks).to(device="cuda", dtype=torch.int32).view(len(rows), table_width)
+    seq_lens = torch.tensor([c + n for c, n in rows], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0] + list(itertools.accumulate(n for _, n in rows)), dtype=torch.int32, device="cuda")
+    query = torch.randn(int(cu[-1]), NUM_HEADS, head_size, dtype=DTYPE, device="cuda")
+    return query, key_cache, value_cache, cu, seq_lens, table
+
+
+def chunk_split_regime(name: str, rows: list[tuple[int, int]], table_width: int = 1024, head_size: int = 64):
+    """Time split counts 1 to ``config.MAX_SPLITS`` (powers of two) of a differential mixed
+    step (``chunk_inputs``); ``*`` marks the heuristic's count."""
+    args = chunk_inputs(rows, table_width, head_size)
+    lam = torch.rand(NUM_HEADS // 2, device="cuda")
+    chosen = attention.launch_plan(args[0], NUM_KV_HEADS, len(rows), table_width * BLOCK_SIZE, True).num_splits
+    expected = triton_kernels.paged_attention(*args, lam, num_splits=1).float()
+    results = []
+    for splits in sorted({2 ** i for i in range(7)} | {chosen}):
+        out = triton_kernels.paged_attention(*args, lam, num_splits=splits)
+        err = ((out.float() - expected).norm() / expected.norm()).item()
+        ms = do_bench_cudagraph(lambda: triton_kernels.paged_attention(*args, lam, num_splits=splits),
+                                rep=50, return_mode="median")
+        results.append((ms, f"{'*' if splits == chosen else ' '}splits={splits} err={err:.0e}"))
+    print(f"\n== splits, {name} (tokens {args[0].shape[0]}, seqs {len(rows)}, D {head_size})")
+    for ms, label in sorted(results):
+        print(f"{ms * 1e3:8.2f} us  {label}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", action="store_true", help="sweep split counts instead of tiles")
+    parser.add_argument("--chunk-splits", action="store_true", help="sweep split counts of mixed steps")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}; Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_SIZE} "
           f"block={BLOCK_SIZE} {DTYPE}")
+    if args.chunk_splits:
+        chunk_split_regime("prefix hit: 60 after 1024, padding", [(1024, 60), (0, 4)])
+        chunk_split_regime("no prefix: 60 tokens, padding", [(0, 60), (0, 4)])
+        chunk_split_regime("prefix hit + 2 decode rows", [(1024, 124), (1100, 1), (1100, 1), (0, 2)])
+        chunk_split_regime("chunk of 512 after 4096", [(4096, 512)])
+        chunk_split_regime("chunk of 512 after 4096, table of 4608 keys", [(4096, 512)], table_width=288)
+        chunk_split_regime("chunk of 512 after 8192 + 64 decode rows at 1k", [(8192, 512)] + [(1024, 1)] * 64
+                           + [(0, 448)] + [(0, 0)] * 62)
+        chunk_split_regime("prefill of 1100 + 4 decode rows", [(0, 1100), *[(1100, 1)] * 4, (0, 944)])
+        return
     if args.splits:
         for batch, context in ((1, 1024), (1, 4096), (1, 16384), (16, 1024), (64, 1024)):
             for differential in (False, True):

@@ -31,6 +31,7 @@ from paged_batches import (  # noqa: E402
 
 from compiled_attn.ops import triton_kernels  # noqa: E402
 from compiled_attn.ops.attention import output_shape  # noqa: E402
+from compiled_attn.ops.triton_kernels import attention as triton_attention  # noqa: E402
 from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
 from compiled_attn.ops.triton_kernels.merge_kernel import merge_block_v  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
@@ -154,11 +155,17 @@ def test_paged_options(name):
 
 @pytest.mark.parametrize("num_splits", [2, 7, 40])
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
-def test_paged_split_kv(num_splits, differential):
+def test_paged_split_kv(num_splits, differential, monkeypatch):
     """Flash-decoding forced on: partials and log-sum-exp merged; 7 splits leave some
     splits without keys; the window leaves early splits of long rows empty too. 40 splits
     (64 padded) at head size 24 merge in value-column blocks of 32
-    (``merge_block_v``), the last one part masked (value size 24 or 48)."""
+    (``merge_block_v``), the last one part masked (value size 24 or 48). The split
+    buffers start as NaN: splits without keys write no partial, and the merge must not
+    read one."""
+    def poisoned(shape, device):
+        return tuple(torch.full(s, float("nan"), device=device) for s in (shape, shape[:3]))
+
+    monkeypatch.setattr(triton_attention, "split_buffers", poisoned)
     head_size = 24 if num_splits == 40 else 32
     if num_splits == 40:
         assert merge_block_v(64, 64) == 32
@@ -377,7 +384,8 @@ def test_strided_metadata_reads_the_same_values():
 
 
 def test_split_heuristic_reads_shapes_only():
-    """Few programs and long block tables split; full grids and short tables do not."""
+    """Few programs and long block tables split; full grids, short tables and query tiles
+    of several tokens (beyond filling the multiprocessors) do not."""
     decode = dict(num_tokens=1, block_q=4, num_kv_units=8, programs_per_sm=8, num_sms=132)
     assert 8 < choose_num_splits(num_seqs=1, max_kv_len=32768, **decode) <= MAX_SPLITS
     assert choose_num_splits(num_seqs=1, max_kv_len=64, **decode) == 1
@@ -387,6 +395,11 @@ def test_split_heuristic_reads_shapes_only():
     assert choose_num_splits(num_seqs=64, max_kv_len=1024, **{**decode, "num_tokens": 64}) == 2
     assert choose_num_splits(num_seqs=256, num_tokens=256, block_q=4, num_kv_units=8,
                              max_kv_len=32768, programs_per_sm=4, num_sms=132) == 1
+    # Query tiles of several tokens split only to fill the multiprocessors: 64 tokens in 2
+    # sequences, 2 tiles x 4 KV pairs, a 16k key bound (the in-flight rule would pick 64).
+    chunk = dict(num_seqs=2, num_tokens=64, block_q=32, num_kv_units=4, max_kv_len=16384, num_sms=132)
+    assert choose_num_splits(programs_per_sm=4, **chunk) == 17
+    assert choose_num_splits(programs_per_sm=4, **{**chunk, "num_tokens": 2048}) == 1
     tiles = choose_tiles(num_tokens=8, num_seqs=8, group_pad=4, head_size_pad=128,
                          differential=False, dtype=torch.bfloat16)
     assert tiles.block_m == 16  # decode: the smallest tl.dot tile

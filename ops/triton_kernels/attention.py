@@ -243,6 +243,14 @@ def _launch_spec(query, key, value, num_seqs, block_table, max_kv_len, lambda_fu
         merge_constexprs=merge_constexprs)
 
 
+def split_buffers(shape: tuple[int, int, int, int], device) -> tuple[Tensor, Tensor]:
+    """Uninitialized float32 partial outputs ``shape = [num_splits, T, Hq, Dv]`` and
+    log-sum-exps ``[num_splits, T, Hq]`` of a flash-decoding launch (the merge reads only
+    what the attention kernel wrote)."""
+    return (torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape[:3], dtype=torch.float32, device=device))
+
+
 def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len, lambda_full, scale,
                causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, out, num_splits,
                k_scale=None, v_scale=None, tiles=None):
@@ -276,8 +284,7 @@ def _attention(query, key, value, cu_seqlens_q, kv_lens, block_table, max_kv_len
     if spec.split_shape is None:
         target, lse = out, out  # lse unused
     else:
-        target = torch.empty(spec.split_shape, dtype=torch.float32, device=query.device)
-        lse = torch.empty(spec.split_shape[:3], dtype=torch.float32, device=query.device)
+        target, lse = split_buffers(spec.split_shape, query.device)
     min_dist, max_dist = visibility_bounds(causal, window_left, window_right)
     device_index = query.get_device()
     with device_guard(query):

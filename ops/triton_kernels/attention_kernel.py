@@ -258,6 +258,29 @@ def attention_kernel(
     else:
         q_head = head
         kv_head = kv_unit
+    TWO_STATES: tl.constexpr = DIFFERENTIAL and not STACKED
+
+    # Keys this tile can see, in whole key tiles; this split's share of them. Keys in
+    # [full_lo, full_hi) are visible from every row: tiles inside need no mask.
+    pos_first = q_first + kv_len - q_len
+    pos_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1 + kv_len - q_len
+    kv_hi = tl.maximum(tl.minimum(pos_last - min_dist + 1, kv_len), 0)
+    full_lo = pos_last - max_dist
+    full_hi = tl.minimum(pos_first - min_dist + 1, kv_len)
+    tile_lo = tl.maximum(pos_first - max_dist, 0) // TILE_N
+    num_tiles = tl.maximum(tl.cdiv(kv_hi, TILE_N) - tile_lo, 0)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = tile_lo + split * per_split
+    tile_end = tl.minimum(tile_begin + per_split, tile_lo + num_tiles)
+
+    if SPLIT and tile_end <= tile_begin:
+        # A split that sees no key tile (a sequence far shorter than the launch's key
+        # bound) stores lse = -inf and no partial: the merge reads no partial of it.
+        lse = lse_ptr + split * stride_ls + token * stride_lt + q_head * stride_lh
+        tl.store(lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        if TWO_STATES:
+            tl.store(lse + stride_lh, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        return
     if STACKED:  # [BLOCK_M, 2D]: q1 rows in the k1 columns, q2 rows in the k2 columns
         q_ptrs = (q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh
                   + (cols % HEAD_SIZE_PAD)[None, :] * stride_qd)
@@ -273,7 +296,6 @@ def attention_kernel(
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, VALUE_HEADS * HEAD_SIZE_PAD], tl.float32)  # softmax1 . [v1 | v2]
-    TWO_STATES: tl.constexpr = DIFFERENTIAL and not STACKED
     if TWO_STATES:
         q2 = _query_tile(q_ptrs + stride_qh, q_mask, F16_TILES)
         if ALIBI:
@@ -283,19 +305,6 @@ def attention_kernel(
         m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l2 = tl.zeros([BLOCK_M], tl.float32)
         acc2 = tl.zeros([BLOCK_M, VALUE_HEADS * HEAD_SIZE_PAD], tl.float32)  # softmax2 . [v1 | v2]
-
-    # Keys this tile can see, in whole key tiles; this split's share of them. Keys in
-    # [full_lo, full_hi) are visible from every row: tiles inside need no mask.
-    pos_first = q_first + kv_len - q_len
-    pos_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1 + kv_len - q_len
-    kv_hi = tl.maximum(tl.minimum(pos_last - min_dist + 1, kv_len), 0)
-    full_lo = pos_last - max_dist
-    full_hi = tl.minimum(pos_first - min_dist + 1, kv_len)
-    tile_lo = tl.maximum(pos_first - max_dist, 0) // TILE_N
-    num_tiles = tl.maximum(tl.cdiv(kv_hi, TILE_N) - tile_lo, 0)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = tile_lo + split * per_split
-    tile_end = tl.minimum(tile_begin + per_split, tile_lo + num_tiles)
 
     offs_n = tl.arange(0, TILE_N)
     for kv_tile in range(tile_begin, tile_end):

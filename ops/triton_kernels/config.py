@@ -139,8 +139,20 @@ def choose_num_splits(num_seqs: int, num_tokens: int, block_q: int, num_kv_units
     Sweep on an H200 (Hq 32, Hkv 8, D 128): the best counts were 16 for B=1 at 1k keys,
     32-64 at 4k, 64 at 16k, 4 for B=16 at 1k and 1-2 for B=64 at 1k; this rule picks
     16, 17 (plain) / 33 (differential), 64, 4 and 2.
+
+    A batch with more tokens than sequences (prefill chunks, mixed steps) splits only to
+    fill: a query tile of several tokens writes as many partial rows a split, and its
+    sequences may hold far fewer keys than ``max_kv_len`` (a graph captured for a 16k
+    ``max_model_len``). ``profiling/tile_sweep.py --chunk-splits`` (H200, differential,
+    Hq 32, Hkv 8, D 64, 2026-11-30; best count and time against the in-flight rule's): 60
+    tokens after a 1024-key prefix 16 (24 us) against 64 (44 us; fill picks 17); 124
+    tokens after 1024 keys and two decode rows 8 (37 us) against 33 (89 us; fill: 9); a
+    chunk of 512 after 4096 keys 2 (185 us) against 8 (248 us; fill: 3); 1100 tokens
+    with 4 decode rows 1 (147 us) against 2 (fill: 1).
     """
     busy = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_units
     fill = min(triton.cdiv(num_sms, max(busy, 1)), triton.cdiv(max_kv_len, MIN_KEYS_PER_FILL_SPLIT))
+    if num_tokens > num_seqs:
+        return max(1, min(fill, MAX_SPLITS))
     in_flight = min(programs_per_sm * num_sms // max(busy, 1), triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT))
     return max(1, min(max(fill, in_flight), MAX_SPLITS))
