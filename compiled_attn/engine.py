@@ -16,7 +16,10 @@ step is left in flight, its tokens on their way to pinned host memory, and when 
 step is a decode over the same rows it is launched before those tokens are read, so the
 host's bookkeeping and launch overlap the device's work. The step advances its own inputs
 on the device (:func:`~compiled_attn.graphs.advance`), which is what lets it run before the
-host has seen the previous tokens. Everything runs in order on one CUDA stream.
+host has seen the previous tokens. A request that arrives meanwhile is admitted the same
+way: the mixed step that prefills it is launched behind the decode step in flight, its decode
+rows taking their input tokens from that step's output on the device. Everything runs in
+order on one CUDA stream.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class Timings:
     them launched before the previous step's tokens were read) and tokens delivered
     (``decode_tokens``: a token sampled past an EOS is dropped, not counted);
     ``decode_seconds`` is the wall time spent launching decode steps and reading their tokens.
+    ``behind_steps``: mixed steps launched behind a decode step in flight (they admitted
+    requests while others decoded).
     """
 
     prefill_tokens: int = 0
@@ -95,6 +100,7 @@ class Timings:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     overlapped_steps: int = 0
+    behind_steps: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -309,9 +315,12 @@ class Engine:
         With ``async_decode`` a decode step stays in flight after its launch and its tokens
         are read by the next call. That call, when it would run a decode over the same rows
         anyway (:meth:`_can_overlap`), launches it first and then reads the in-flight step's
-        tokens, so the host works while the device runs. Otherwise it drains the in-flight
-        step first (reads, appends, finishes), then runs what the scheduler picks: a mixed
-        step when it holds a prefill chunk, else a decode step. A request may thus have one
+        tokens, so the host works while the device runs. When a waiting request can be
+        admitted instead, it launches the mixed step that admits it behind the in-flight
+        step, the rows fed their in-flight tokens on the device (:meth:`_run_chunks_behind`),
+        and then reads both. Otherwise it drains the in-flight step first (reads, appends,
+        finishes), then runs what the scheduler picks: a mixed step when it holds a prefill
+        chunk, else a decode step. A request may thus have one
         token too many sampled (past an EOS that was not read yet); :meth:`_drain` drops it,
         so every output equals a synchronous engine's. With tensor parallelism, every rank
         first queues the requests rank 0 added since its last step
@@ -325,6 +334,8 @@ class Engine:
             if self._sync.stopped:
                 return []
         running = self.scheduler.running
+        if self._can_launch_behind():
+            return self._run_chunks_behind()
         if self._can_overlap():
             with self._decode_phase():
                 launched = self.runner.launch_decode(list(running), 1, self.max_model_len)
@@ -351,11 +362,49 @@ class Engine:
             finished += self._run_chunks(chunks)
         return finished
 
-    def _run_chunks(self, chunks: list[Chunk]) -> list[Request]:
+    def _can_launch_behind(self) -> bool:
+        """Whether a mixed step can be launched behind the in-flight decode step, before its
+        tokens are read (:meth:`_run_chunks_behind`): a waiting request can be admitted, the
+        in-flight rows are exactly the running requests, and, as for :meth:`_can_overlap`,
+        no row reaches ``max_new_tokens`` with its in-flight token and the cache holds every
+        row's next blocks (plus one for a copy-on-write): the step then preempts no running
+        request, so none is queued with a stand-in token."""
+        inflight, running, allocator = self._inflight, self.scheduler.running, self.kv_cache.allocator
+        return (self.async_decode and inflight is not None and self.scheduler.can_admit()
+                and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
+                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)
+                and sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len)) + 1
+                        for r in running) <= allocator.num_free_blocks)
+
+    def _run_chunks_behind(self) -> list[Request]:
+        """A mixed step launched behind the in-flight decode step (vLLM's async scheduling
+        for steps that admit requests); returns the requests finished in both.
+
+        The in-flight step computes each row's pending token and samples the next; the
+        scheduler is told so at once (``computed``), and each row gets a stand-in token, so
+        this step schedules the rows' next decode with the new prompts. The launch feeds the
+        stand-ins' real ids from the in-flight step's device tokens; then the in-flight step
+        is drained (its tokens replace the stand-ins) while this step runs, and this step's
+        tokens are read. A row whose in-flight token was an EOS is finished by the drain and
+        its token from this step dropped, as for an overlapped decode step.
+        """
+        inflight = self._inflight
+        for request in inflight.requests:
+            self.scheduler.computed(request, 1)
+            request.output_ids.append(0)  # a stand-in for the in-flight token
+        inflight.stand_ins = True
+        self.timings.behind_steps += 1
+        scheduled = self.scheduler.schedule()
+        self.runner.copy_blocks(scheduled.copies)
+        return self._run_chunks(scheduled.chunks, behind=inflight)
+
+    def _run_chunks(self, chunks: list[Chunk], behind: InflightStep | None = None) -> list[Request]:
         """A mixed step (prefill chunks and decode rows); returns the requests it finished.
 
         A request with ``n > 1`` samples whose prompt this step completes gets its other
-        ``n - 1`` samples here, each drawing its first token from the same logits."""
+        ``n - 1`` samples here, each drawing its first token from the same logits.
+        ``behind``: the decode step in flight that this one is launched behind (see
+        :meth:`_run_chunks_behind`), drained between this step's launch and its read."""
         if self.runner.mixed_capture_pending and not self._warming_up:
             self.runner.capture_mixed()  # (warm-up captures at its end, after its compiled mixed steps)
         start = time.perf_counter()
@@ -367,10 +416,20 @@ class Engine:
                 parent.samples = [Request(next(self._ids), parent.prompt_ids, params,
                                           (parent.seed * 1_000_003 + k) % (1 << 63)) for k in range(1, parent.params.n)]
                 draws += [(i, child) for child in parent.samples]
+        feed = None
+        if behind is not None:
+            rows = {r.request_id: row for row, r in enumerate(behind.requests)}
+            feed = (behind.device_tokens, [(i, rows[c.request.request_id]) for i, c in enumerate(chunks)
+                                           if c.request.request_id in rows])
         with record_function("prefill"):
-            tokens = self.runner.run_chunks(chunks, draws)
+            launched = self.runner.launch_chunks(chunks, draws, feed)
+        drained = self._drain() if behind is not None else []
+        with record_function("prefill"):
+            tokens = launched.tolist()
         finished = []
         for chunk, token in zip(chunks, tokens):
+            if chunk.request.finish_reason is not None:  # ended by its in-flight token (an EOS)
+                continue
             completes, decode_row = chunk.completes, chunk.request.decoding
             self.scheduler.computed(chunk.request, chunk.num_tokens)
             if decode_row:
@@ -384,7 +443,7 @@ class Engine:
             if self._append(child, token):
                 finished.append(child)
         self.timings.prefill_seconds += time.perf_counter() - start
-        return self._finish(finished)
+        return drained + self._finish(finished)
 
     def _can_overlap(self) -> bool:
         """Whether the next decode step can be launched before the in-flight step's tokens
@@ -428,7 +487,10 @@ class Engine:
         for request, token in zip(inflight.requests, inflight.read()):
             if request.finish_reason is None:
                 self.timings.decode_tokens += 1
-                self.scheduler.computed(request, request.num_tokens - request.num_computed)
+                if inflight.stand_ins:  # counted computed at the launch behind it (_run_chunks_behind)
+                    request.output_ids.pop()
+                else:
+                    self.scheduler.computed(request, request.num_tokens - request.num_computed)
                 if self._append(request, token):
                     finished.append(request)
         return self._finish(finished)

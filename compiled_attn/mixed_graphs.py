@@ -23,7 +23,7 @@ shape ``(tokens, seqs)`` and replayed. The attention ops read no tensor values o
   ``all_greedy``: no sort, no noise, and no sampling inputs to write).
 
 A step that fits no captured shape runs the compiled model directly (see
-:meth:`~compiled_attn.model_runner.ModelRunner.run_chunks`).
+:meth:`~compiled_attn.model_runner.ModelRunner.launch_chunks`).
 """
 
 from __future__ import annotations

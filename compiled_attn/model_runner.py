@@ -2,11 +2,12 @@
 
 Two kinds of step (see :mod:`compiled_attn.scheduler` for what a chunk is):
 
-* :meth:`ModelRunner.run_chunks`: any mix of prefill chunks and decode rows in **one**
+* :meth:`ModelRunner.launch_chunks`: any mix of prefill chunks and decode rows in **one**
   forward over the paged cache (the attention ops serve mixed batches), metadata packed on
   the host (:func:`~compiled_attn.metadata.pack_chunks`), a CUDA-graph replay when the step
   fits a captured ``(tokens, seqs)`` shape (:mod:`compiled_attn.mixed_graphs`), the compiled
-  model otherwise, tokens read back at once;
+  model otherwise; its tokens stay on the device until the engine reads them, and decode
+  rows may take their input token from a decode step still in flight;
 * :meth:`ModelRunner.launch_decode`: one token for each of the running requests through the
   static decode buffers, a CUDA-graph replay when graphs are on and the batch fits a capture
   size (the compiled model otherwise), returned in flight (:class:`InflightStep`).
@@ -22,7 +23,7 @@ from torch.profiler import record_function
 
 from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, decode_step
 from .kv_cache import KVCache
-from .metadata import SequenceChunk, pack_chunks
+from .metadata import SequenceChunk, pack_chunks, pinned
 from .mixed_graphs import MixedBuffers, mixed_step
 from .ops import copy_blocks
 from .scheduler import Chunk, Request
@@ -38,11 +39,18 @@ class InflightStep:
             non-blocking device-to-host copy fills (CUDA), or the tokens themselves (CPU).
         event: recorded on the stream after that copy; ``None`` on the CPU, where the
             tokens are ready at once.
+        device_tokens: the same tokens where the step left them (int64 ``[rows]``), for a
+            step launched behind this one to read on the device (valid until the next
+            decode step).
+        stand_ins: its rows' output ends in a stand-in for its token, which the read
+            replaces (set by the engine when it launches a mixed step behind this one).
     """
 
     requests: list[Request]
     tokens: torch.Tensor
     event: torch.cuda.Event | None
+    device_tokens: torch.Tensor
+    stand_ins: bool = False
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor) -> "InflightStep":
@@ -53,12 +61,12 @@ class InflightStep:
         replay overwrites: no device-side copy is needed.
         """
         if not tokens.is_cuda:
-            return cls(requests, tokens, None)
+            return cls(requests, tokens, None, tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(requests, host, event)
+        return cls(requests, host, event, tokens)
 
     def read(self) -> list[int]:
         """The tokens, once the copy (and so the step) has finished on the device."""
@@ -108,11 +116,17 @@ class ModelRunner:
             copy_blocks([layer[0] for layer in self.kv_cache.layers], [layer[1] for layer in self.kv_cache.layers],
                         torch.tensor(copies, dtype=torch.int64, device=self.device))
 
-    def run_chunks(self, chunks: list[Chunk], draws: list[tuple[int, Request]] | None = None) -> list[int]:
-        """One forward over ``chunks`` (prefill chunks and decode rows, in any mix); returns
-        one sampled token per ``draws`` entry ``(chunk index, request whose sampling
-        parameters and seed draw it)``, by default one per chunk with its own request
-        (meaningful for chunks that complete their request)."""
+    def launch_chunks(self, chunks: list[Chunk], draws: list[tuple[int, Request]] | None = None,
+                      feed: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """Launch one forward over ``chunks`` (prefill chunks and decode rows, in any mix);
+        returns int64 ``[len(draws)]`` device tokens, one sampled per ``draws`` entry ``(chunk
+        index, request whose sampling parameters and seed draw it)``, by default one per
+        chunk with its own request (meaningful for chunks that complete their request).
+
+        ``feed = (tokens, pairs)``: for each ``(chunk index, row)`` pair, that chunk is a
+        decode row whose input token the host does not know yet (any id stands in for
+        it): ``tokens[row]`` on the device is copied in, ahead of the forward (``tokens``:
+        :attr:`InflightStep.device_tokens` of the decode step in flight)."""
         allocator = self.kv_cache.allocator
         packed = pack_chunks(
             [SequenceChunk(c.request.token_ids(c.request.num_computed, c.request.num_computed + c.num_tokens),
@@ -123,25 +137,32 @@ class ModelRunner:
                  for i, r in (draws or [(i, c.request) for i, c in enumerate(chunks)])]
         shape = (self.mixed_buffers.padded_shape(packed.num_tokens, packed.num_seqs, len(draws))
                  if self.mixed_graphs is not None else None)
+        def column(values, dtype):
+            return pinned(torch.tensor(values, dtype=dtype), self.device).to(self.device, non_blocking=True)
+
+        def feed_inputs(input_ids: torch.Tensor) -> None:
+            if feed is not None:
+                tokens, pairs = feed
+                index = column([packed.cu_seqlens_q[chunk] for chunk, _ in pairs], torch.int64)
+                input_ids.index_copy_(0, index, tokens.index_select(0, column([row for _, row in pairs], torch.int64)))
+
         if shape is not None:
             greedy = all(temperature == 0 for _, temperature, *_ in draws)
             self.mixed_buffers.write(packed, shape, draws, greedy)
+            feed_inputs(self.mixed_buffers.input_ids)
             with record_function("replay"):
-                return self.mixed_graphs.replay(shape, greedy)[: len(draws)].tolist()
+                return self.mixed_graphs.replay(shape, greedy)[: len(draws)]
         md = packed.to_device(self.device)
+        feed_inputs(md.input_ids)
         if self.paged_prefill:
             md.prefill_only = False
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         rows, temperature, top_p, seeds, positions = zip(*draws)
         logits = self.forward(md, self.kv_cache.layers)
         if list(rows) != list(range(len(chunks))):
             logits = logits[column(rows, torch.int64)]
-        tokens = self.sampler(logits, column(temperature, torch.float32), column(top_p, torch.float32),
-                              column(seeds, torch.int64), column(positions, torch.int64))
-        return tokens.tolist()
+        return self.sampler(logits, column(temperature, torch.float32), column(top_p, torch.float32),
+                            column(seeds, torch.int64), column(positions, torch.int64))
 
     def launch_decode(self, requests: list[Request], ahead: int, max_model_len: int) -> InflightStep:
         """Launch one decode step (one token for each of ``requests``, the running ones)

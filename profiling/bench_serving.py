@@ -114,7 +114,7 @@ def _time_calls(engine: Engine) -> dict[str, list[float]]:
 
         graphs.replay = replay
     parts = {"drain": (engine, "_drain"), "schedule": (engine.scheduler, "schedule"),
-             "run_chunks": (engine.runner, "run_chunks")}
+             "launch_chunks": (engine.runner, "launch_chunks")}
     if engine.runner.mixed_buffers is not None:
         parts["mixed buffer writes"] = (engine.runner.mixed_buffers, "write")
     for name, (owner, attribute) in parts.items():

@@ -161,25 +161,30 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingPara
     """Step ``engine`` by hand, adding ``arrivals[i]`` before step ``i``, until all finish.
 
     Checks after every step that outputs never run past their end and that ``step()``
-    returns each request once, in the step that finished it. Returns the requests in
-    arrival order and, per step, the number of requests waiting during an overlapped step.
+    returns each request (parallel samples included) once, in the step that finished it.
+    Returns the requests in arrival order and, per step, the number of requests waiting
+    during an overlapped step.
     """
     requests, returned, waiting_while_overlapped = [], [], []
+
+    def everyone() -> list[Request]:
+        return requests + [sample for r in requests for sample in r.samples]
+
     i = 0
     while i <= max(arrivals) or engine.has_unfinished():
         requests += [engine.add_request(prompt, params) for prompt, params in arrivals.get(i, [])]
-        unfinished = {r.request_id for r in requests if r.finish_reason is None}
+        unfinished = {r.request_id for r in everyone() if r.finish_reason is None}
         before = engine.timings.overlapped_steps
         waiting = len(engine.scheduler.waiting)
         finished = engine.step()
         if engine.timings.overlapped_steps > before:
             waiting_while_overlapped.append(waiting)
-        check_outputs(requests, eos)
-        assert {r.request_id for r in finished} == unfinished - {r.request_id for r in requests
+        check_outputs(everyone(), eos)
+        assert {r.request_id for r in finished} == unfinished - {r.request_id for r in everyone()
                                                                  if r.finish_reason is None}
         returned += finished
         i += 1
-    assert sorted(r.request_id for r in returned) == [r.request_id for r in requests]
+    assert sorted(r.request_id for r in returned) == sorted(r.request_id for r in everyone())
     return requests, waiting_while_overlapped
 
 
@@ -227,3 +232,45 @@ def test_has_unfinished_counts_a_step_in_flight(model):
     assert request.output_ids == alone.output_ids[:2]
     assert engine.timings.decode_tokens == 1 and engine.timings.decode_steps == 2
     assert engine.kv_cache.allocator.num_free_blocks == engine.kv_cache.allocator.num_blocks
+
+
+def arrivals_while_decoding(system: list[int], new_tokens: int) -> dict[int, list[tuple[list[int], SamplingParams]]]:
+    """A request every second step, each while others decode: greedy and sampled, one with
+    ``n = 2``, prompts that share ``system``, ``new_tokens`` to ``new_tokens + 3`` new tokens."""
+    kinds = [{}, SAMPLED, {}, dict(SAMPLED, n=2), {}, SAMPLED, {}]
+    return {2 * i: [(system + [10 + i, 20 + 3 * i], SamplingParams(max_new_tokens=new_tokens + i % 4, **kind))]
+            for i, kind in enumerate(kinds)}
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("num_blocks", [200, 12], ids=["room", "tiny-cache"])
+def test_admissions_launched_behind_a_decode_step_give_the_sync_tokens(model, caching, num_blocks):
+    """A request that arrives while others decode is prefilled in a mixed step launched
+    behind the decode step in flight, the decode rows fed their in-flight tokens on the
+    device: outputs equal a synchronous engine's, also when an in-flight token is an EOS
+    read only after that launch (the row's token from the mixed step is dropped), with
+    sampled rows, parallel samples, a shared prefix and a cache small enough to preempt."""
+    system = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    arrivals = arrivals_while_decoding(system, 6 if num_blocks == 200 else 16)  # long outputs outgrow 12 blocks
+    plain, _ = drive(make_engine(model, async_decode=False), arrivals)
+    seen: dict[int, int] = {}  # token -> requests that emit it mid-decode first at index >= 1
+    for r in plain:
+        for i, token in enumerate(r.output_ids[:-1]):
+            if i >= 1 and token not in r.output_ids[:i]:
+                seen[token] = seen.get(token, 0) + 1
+    eos = max(seen, key=seen.get)
+    with_eos = build_random_model(dataclasses.replace(SMALL, eos_token_id=eos), seed=0)  # same weights
+    settings = dict(num_blocks=num_blocks, enable_prefix_caching=caching)
+    want, _ = drive(make_engine(with_eos, async_decode=False, **settings), arrivals, frozenset({eos}))
+    engine = make_engine(with_eos, **settings)
+    got, _ = drive(engine, arrivals, frozenset({eos}))
+    assert outputs(got) == outputs(want)
+    assert [[s.output_ids for s in r.samples] for r in got] == [[s.output_ids for s in r.samples] for r in want]
+    assert sum(r.finish_reason == "eos" for r in got) >= 2
+    assert engine.timings.behind_steps >= 2
+    if num_blocks == 12:
+        assert engine.scheduler.num_preemptions > 0
+    if caching:
+        assert sum(r.num_cached for r in got) > 0
+    allocator = engine.kv_cache.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks and allocator.block_tables == {}

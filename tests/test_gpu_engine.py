@@ -74,6 +74,31 @@ def test_mixed_graph_replays_with_prefix_hits_and_chunked_prefill_give_the_token
     assert not mismatched, f"requests {mismatched} differ between compiled and graph-replayed mixed steps"
 
 
+def test_admissions_launched_behind_replayed_decode_give_the_tokens_of_a_synchronous_engine():
+    """Requests arriving while others decode are prefilled by mixed-step graphs launched
+    behind the decode graph in flight, the decode rows fed that step's tokens on the device."""
+    model = _model(3)
+    prompts, params = _workload(24, seed=6)
+    system = list(range(200, 240))  # prefix-cache hits for the odd requests
+    prompts = [system + p if i % 2 else p for i, p in enumerate(prompts)]
+
+    def serve(engine: Engine) -> list[list[int]]:
+        requests, step = [], 0
+        while len(requests) < len(prompts) or engine.has_unfinished():
+            if len(requests) < len(prompts) and step % 3 == 0:
+                requests.append(engine.add_request(prompts[len(requests)], params[len(requests)]))
+            engine.step()
+            step += 1
+        return [r.output_ids for r in requests]
+
+    want = serve(Engine(model, compile=False, cuda_graphs=False, num_blocks=512, async_decode=False))
+    engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=512)
+    got = serve(engine)
+    assert engine.timings.behind_steps > 5 and engine.timings.overlapped_steps > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from the synchronous eager engine"
+
+
 def test_1000_steps_of_changing_batch_size_no_recompiles_no_captures_steady_memory():
     model = _model(1, torch.bfloat16)
     engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=1024)

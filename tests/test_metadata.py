@@ -14,6 +14,8 @@ from compiled_attn.metadata import (
     block_table_rows,
     build_metadata,
     pack_chunks,
+    pinned,
+    write_buffers,
 )
 
 BLOCK_SIZE = 4
@@ -158,3 +160,34 @@ def test_block_table_rows_pad_to_the_longest_row_only():
     packed = pack_chunks([SequenceChunk([1, 2, 3], 0, [6])], block_size=4, max_blocks_per_seq=5)
     assert packed.block_table == [[6]]  # unpadded on the host; the device tensor has the full width
     assert packed.to_device("cpu").block_table.tolist() == [[6, 0, 0, 0, 0]]
+
+
+def test_pinned_leaves_host_tensors_for_the_cpu_alone():
+    host = torch.arange(5)
+    assert pinned(host, "cpu") is host
+    assert pinned(host, torch.device("cpu")) is host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_buffer_writes_from_pinned_memory_arrive_whole():
+    """Host columns for CUDA go through page-locked memory, so the copies return before
+    they run; behind a busy stream, each still delivers its own values (the host block of
+    one write is not handed to the next while its copy waits)."""
+    assert pinned(torch.arange(5), "cuda").is_pinned()
+
+    class Buffers:
+        def __init__(self):
+            self.input_ids = torch.full((4096,), -1, dtype=torch.int64, device="cuda")
+            self.block_table = torch.full((8, 64), -1, dtype=torch.int32, device="cuda")
+
+    written = [Buffers() for _ in range(3)]
+    torch.cuda._sleep(50_000_000)  # the copies queue behind ~25 ms of device time
+    for step, buffers in enumerate(written):
+        write_buffers(buffers, {"input_ids": [step * 10_000 + i for i in range(4000)]}, [[step, 1, 2], [3 + step]])
+    for step, buffers in enumerate(written):
+        assert buffers.input_ids[:4000].tolist() == [step * 10_000 + i for i in range(4000)]
+        assert buffers.block_table[:2, :3].tolist() == [[step, 1, 2], [3 + step, 0, 0]]
+    packed = pack_chunks([SequenceChunk([1, 2, 3], 0, [6])], block_size=4, max_blocks_per_seq=5)
+    md = packed.to_device("cuda")
+    assert md.input_ids.tolist() == [1, 2, 3] and md.block_table.tolist() == [[6, 0, 0, 0, 0]]

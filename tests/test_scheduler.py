@@ -79,9 +79,9 @@ def test_chunked_prefill_gives_the_same_tokens(model, reference, budget):
     prompts, params = workload(1)
     e = engine(model, num_blocks=1000, max_num_batched_tokens=budget)
     steps = []
-    run = e.runner.run_chunks
-    e.runner.run_chunks = lambda chunks, draws=None: (steps.append([(c.num_tokens, c.completes) for c in chunks]),
-                                                      run(chunks, draws))[1]
+    run = e.runner.launch_chunks
+    e.runner.launch_chunks = lambda chunks, draws=None, feed=None: (
+        steps.append([(c.num_tokens, c.completes) for c in chunks]), run(chunks, draws, feed))[1]
     got, _ = drive(e, prompts, params)
     assert got == reference
     assert max(sum(n for n, _ in step) for step in steps) <= budget
