@@ -25,12 +25,14 @@ CONFIG = DiffLlamaConfig(
 
 def test_default_mixed_capture_sizes():
     sizes = default_mixed_capture_sizes(max_num_seqs=6, max_num_batched_tokens=64)
-    assert sizes == [(16, 1), (16, 2), (16, 4), (16, 8), (32, 1), (32, 2), (32, 4), (32, 8),
-                     (64, 1), (64, 2), (64, 4), (64, 8)]
+    assert sizes == [(t, s) for t in (16, 24, 32, 48, 64) for s in (1, 2, 4, 8)]
     # seqs reach past max_num_seqs (room for the padding sequence); tokens stop at 2048
     assert max(s for _, s in default_mixed_capture_sizes(8, None)) == 16
-    assert max(t for t, _ in default_mixed_capture_sizes(8, None)) == 2048
-    assert max(t for t, _ in default_mixed_capture_sizes(8, 100)) == 64  # powers of two within the budget
+    assert sorted({t for t, _ in default_mixed_capture_sizes(8, None)}) == [
+        16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    # the budget is a size of its own: every step within it fits a graph
+    assert sorted({t for t, _ in default_mixed_capture_sizes(8, 100)}) == [16, 24, 32, 48, 64, 96, 100]
+    assert default_mixed_capture_sizes(2, 8) == [(8, 1), (8, 2), (8, 4)]  # a budget below 16
 
 
 def test_padded_shape_fits_tokens_seqs_draws_and_the_padding_sequence():
@@ -38,8 +40,9 @@ def test_padded_shape_fits_tokens_seqs_draws_and_the_padding_sequence():
     assert buffers.padded_shape(16, 3, 3) == (16, 4)  # no pad tokens: no padding sequence needed
     assert buffers.padded_shape(16, 4, 4) == (16, 4)
     assert buffers.padded_shape(15, 4, 4) == (16, 8)  # 1 pad token: a fifth sequence
-    assert buffers.padded_shape(17, 1, 1) == (32, 2)
-    assert buffers.padded_shape(20, 2, 5) == (32, 8)  # parallel samples: more draws than sequences
+    assert buffers.padded_shape(17, 1, 1) == (24, 2)  # 17 tokens: 24, the next size (16 * 1.5)
+    assert buffers.padded_shape(25, 1, 1) == (32, 2)
+    assert buffers.padded_shape(20, 2, 5) == (24, 8)  # parallel samples: more draws than sequences
     assert buffers.padded_shape(65, 1, 1) is None  # more tokens than any shape
     assert buffers.padded_shape(16, 8, 8) == (16, 8)
     assert buffers.padded_shape(14, 8, 8) is None  # 8 sequences and a padding one: no shape of 16
