@@ -137,6 +137,7 @@ class ModelRunner:
                  for i, r in (draws or [(i, c.request) for i, c in enumerate(chunks)])]
         shape = (self.mixed_buffers.padded_shape(packed.num_tokens, packed.num_seqs, len(draws))
                  if self.mixed_graphs is not None else None)
+
         def column(values, dtype):
             return pinned(torch.tensor(values, dtype=dtype), self.device).to(self.device, non_blocking=True)
 

@@ -5,10 +5,11 @@ log-sum-exp ``lse_s`` over its share of the keys; the full row is
 ``sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s`` (Dao et al.,
 "Flash-Decoding for long-context inference", 2023; the same rescaling as the online
 softmax). Splits that saw no key have ``lse_s = -inf`` and weigh nothing; a row no split
-saw is zeros. Only partials of splits with a finite ``lse_s`` are read: a split that saw no key
-tile writes none (the attention kernel), so a launch whose key bound (``max_kv_len``, e.g. a
-16k ``max_model_len``) far exceeds its sequences moves no memory for its idle splits. Differential rows merge the two components (query heads ``2j`` and
-``2j + 1``) separately, then combine ``o1 - lambda_j * o2`` in float32. A row of
+saw is zeros. Only partials of splits with a finite ``lse_s`` are read: a split that saw no
+key tile writes none (the attention kernel), so a launch whose key bound (``max_kv_len``,
+e.g. a 16k ``max_model_len``) far exceeds its sequences moves no memory for its idle
+splits. Differential rows merge the two components (query heads ``2j`` and ``2j + 1``)
+separately, then combine ``o1 - lambda_j * o2`` in float32. A row of
 ``VALUE_SIZE`` (``D`` or ``2D``, any ``D`` from 1 to 256) is read and written as
 ``VALUE_SIZE_PAD`` (the next power of two) masked columns, ``BLOCK_V`` of them per program
 (:func:`merge_block_v`): a batch of one sequence has few rows, and a program that held all
