@@ -242,7 +242,9 @@ class Engine:
         Args:
             prompt_ids: the prompt's token ids.
             params: its sampling parameters.
-            seed: its random seed unless ``params.seed`` is set (default: its request id).
+            seed: its random seed unless ``params.seed`` is set (default: its request id;
+                ids count up from 0 in the order requests are added, a request with
+                ``params.n`` samples taking ``n`` of them).
             name: how errors name the prompt.
 
         Raises:
@@ -271,6 +273,9 @@ class Engine:
                 f"only {allocator.num_blocks} in all; raise num_blocks or lower max_new_tokens"
             )
         request_id = next(self._ids)  # (taken once the request is valid)
+        # Its samples' ids are taken now, whenever they fork, so later requests' ids (and
+        # default seeds) do not depend on the schedule.
+        self._ids = itertools.count(request_id + params.n)
         seed = params.seed if params.seed is not None else (request_id if seed is None else seed)
         request = Request(request_id, prompt, params, seed)
         if self._sync is None:
@@ -330,7 +335,7 @@ class Engine:
             with record_function("request_sync"):
                 for request in self._sync.exchange():
                     self.scheduler.add(request)
-                    self._ids = itertools.count(max(request.request_id + 1, next(self._ids)))
+                    self._ids = itertools.count(max(request.request_id + request.params.n, next(self._ids)))
             if self._sync.stopped:
                 return []
         running = self.scheduler.running
@@ -364,17 +369,19 @@ class Engine:
 
     def _can_launch_behind(self) -> bool:
         """Whether a mixed step can be launched behind the in-flight decode step, before its
-        tokens are read (:meth:`_run_chunks_behind`): a waiting request can be admitted, the
-        in-flight rows are exactly the running requests, and, as for :meth:`_can_overlap`,
-        no row reaches ``max_new_tokens`` with its in-flight token and the cache holds every
-        row's next blocks (plus one for a copy-on-write): the step then preempts no running
-        request, so none is queued with a stand-in token."""
+        tokens are read (:meth:`_run_chunks_behind`): the in-flight rows are exactly the
+        running requests, as for :meth:`_can_overlap` no row reaches ``max_new_tokens`` with
+        its in-flight token, and a waiting request can be admitted beside the rows' next
+        blocks (plus one each for a copy-on-write). So the step admits a request, and it
+        preempts no running one (none is queued with a stand-in token)."""
         inflight, running, allocator = self._inflight, self.scheduler.running, self.kv_cache.allocator
-        return (self.async_decode and inflight is not None and self.scheduler.can_admit()
+        if not (self.async_decode and inflight is not None
                 and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
-                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)
-                and sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len)) + 1
-                        for r in running) <= allocator.num_free_blocks)
+                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)):
+            return False
+        rows_blocks = sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len)) + 1
+                          for r in running)
+        return self.scheduler.can_admit(reserved_blocks=rows_blocks)
 
     def _run_chunks_behind(self) -> list[Request]:
         """A mixed step launched behind the in-flight decode step (vLLM's async scheduling
@@ -413,7 +420,7 @@ class Engine:
             parent = chunk.request
             if chunk.completes and parent.params.n > 1 and not parent.samples and not parent.output_ids:
                 params = dataclasses.replace(parent.params, n=1, seed=None)
-                parent.samples = [Request(next(self._ids), parent.prompt_ids, params,
+                parent.samples = [Request(parent.request_id + k, parent.prompt_ids, params,
                                           (parent.seed * 1_000_003 + k) % (1 << 63)) for k in range(1, parent.params.n)]
                 draws += [(i, child) for child in parent.samples]
         feed = None

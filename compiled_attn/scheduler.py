@@ -178,14 +178,19 @@ class Scheduler:
         """Running slots ``request`` takes once admitted: its ``n`` samples before they fork."""
         return request.params.n if request.num_tokens == len(request.prompt_ids) and not request.samples else 1
 
-    def can_admit(self) -> bool:
-        """Whether a waiting request would be admitted now (ignoring the prefix cache)."""
+    def can_admit(self, reserved_blocks: int = 0) -> bool:
+        """Whether a waiting request would be admitted now (ignoring the prefix cache): a
+        running slot, a token of the budget left after one for each running request, and
+        its blocks among the free ones but ``reserved_blocks`` (set aside for the running
+        requests' growth)."""
         if not self.waiting or self._slots() + self._rows(self.waiting[0]) > self.max_num_seqs:
+            return False
+        if self.max_num_batched_tokens is not None and len(self.running) >= self.max_num_batched_tokens:
             return False
         request = self.waiting[0]
         count = min(request.num_tokens, self.max_num_batched_tokens or request.num_tokens)
         return self.allocator.blocks_needed(request.request_id, self._tokens_to_hold(request, count)) \
-            <= self.allocator.num_free_blocks
+            <= self.allocator.num_free_blocks - reserved_blocks
 
     def _tokens_to_hold(self, request: Request, count: int) -> int:
         """Tokens ``request`` must have room for after computing ``count`` more: those, and
