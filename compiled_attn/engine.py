@@ -374,14 +374,8 @@ class Engine:
         its in-flight token, and a waiting request can be admitted beside the rows' next
         blocks (plus one each for a copy-on-write). So the step admits a request, and it
         preempts no running one (none is queued with a stand-in token)."""
-        inflight, running, allocator = self._inflight, self.scheduler.running, self.kv_cache.allocator
-        if not (self.async_decode and inflight is not None
-                and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
-                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)):
-            return False
-        rows_blocks = sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len)) + 1
-                          for r in running)
-        return self.scheduler.can_admit(reserved_blocks=rows_blocks)
+        return (self._inflight_rows_go_on()
+                and self.scheduler.can_admit(reserved_blocks=self._next_blocks() + len(self.scheduler.running)))
 
     def _run_chunks_behind(self) -> list[Request]:
         """A mixed step launched behind the in-flight decode step (vLLM's async scheduling
@@ -464,15 +458,27 @@ class Engine:
         the batch), the budget holds every row, and the cache has the blocks the step needs
         without preempting. Only an EOS among the in-flight tokens is unknown; see :meth:`step`.
         """
-        inflight, running, allocator = self._inflight, self.scheduler.running, self.kv_cache.allocator
         budget = self.scheduler.max_num_batched_tokens
+        return (self._inflight_rows_go_on()
+                and (budget is None or len(self.scheduler.running) <= budget)
+                and not self.scheduler.can_admit()
+                and self._next_blocks() <= self.kv_cache.allocator.num_free_blocks)
+
+    def _inflight_rows_go_on(self) -> bool:
+        """A decode step is in flight (``async_decode``), its rows are exactly the running
+        requests, and none reaches ``max_new_tokens`` with its in-flight token."""
+        inflight, running = self._inflight, self.scheduler.running
         return (self.async_decode and inflight is not None
                 and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
-                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running)
-                and (budget is None or len(running) <= budget)
-                and not self.scheduler.can_admit()
-                and sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len))
-                        for r in running) <= allocator.num_free_blocks)
+                and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running))
+
+    def _next_blocks(self) -> int:
+        """Blocks the running requests still need to hold ``num_tokens + 2`` tokens (within
+        ``max_model_len``): the token in flight, the one the next step samples, and the slot
+        a decode step's advance addresses after it."""
+        allocator = self.kv_cache.allocator
+        return sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len))
+                   for r in self.scheduler.running)
 
     @contextmanager
     def _decode_phase(self):
