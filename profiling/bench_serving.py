@@ -149,7 +149,7 @@ def main() -> None:
                              "prefix-caching scenario into DIR (compiled-attn profile-report DIR reads it)")
     parser.add_argument("--profile-steps", type=int, default=48)
     parser.add_argument("--scenarios", nargs="+", choices=("system-prompt", "long-prompts"),
-                        default=("system-prompt", "long-prompts"))
+                        default=("system-prompt", "long-prompts"), help="the scenarios to run (default: both)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     config = BENCH_CONFIG if cuda else random_model_config()

@@ -89,6 +89,8 @@ def main() -> None:
               f"{replay_ms(lambda: runner.mixed_graphs.replay(shape, True), args.replays):.3f} ms a replay")
         print(kernel_table(lambda: runner.mixed_graphs.replay(shape, True), args.replays, args.rows))
         engine.step()  # a decode step
+        # (its replays below advance the row past its blocks: block 0's K/V get overwritten,
+        # which changes later tokens, not timings)
         rows = runner.graph_runner.padded_size(1)
         print(f"== decode step after it, {rows} row(s): "
               f"{replay_ms(lambda: runner.graph_runner.replay(rows, True), args.replays):.3f} ms a replay")
