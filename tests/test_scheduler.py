@@ -17,6 +17,7 @@ from compiled_attn.block_allocator import BlockAllocator, block_hash
 from compiled_attn.engine import Engine
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.sampling import SamplingParams
+from compiled_attn.scheduler import Request, Scheduler
 
 CONFIG = DiffLlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -222,3 +223,23 @@ def test_prefills_through_the_paged_kernel_give_the_same_tokens(model, reference
     e = engine(model, num_blocks=1000)
     e.runner.paged_prefill = True
     assert drive(e, prompts, params)[0] == reference
+
+
+def test_can_admit_counts_slots_budget_and_reserved_blocks():
+    """A waiting request is admissible with a free slot, a token of the budget left after
+    one per running request, and its blocks among the free ones minus those reserved."""
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    scheduler = Scheduler(alloc, max_num_seqs=3, max_num_batched_tokens=3, max_model_len=64)
+    running = [Request(i, [1, 2], SamplingParams(), 0) for i in range(2)]
+    for request in running:
+        scheduler.add(request)
+    scheduler.schedule()  # both admitted: 2 of 10 blocks taken (2 tokens + the next each)
+    assert scheduler.running == running and alloc.num_free_blocks == 8
+    waiting = Request(5, list(range(9)), SamplingParams(), 0)  # a chunk of 1 token: 1 block
+    scheduler.add(waiting)
+    assert scheduler.can_admit() and scheduler.can_admit(reserved_blocks=7)
+    assert not scheduler.can_admit(reserved_blocks=8)
+    scheduler.max_num_batched_tokens = 2  # one token per running request: none left for it
+    assert not scheduler.can_admit()
+    scheduler.max_num_batched_tokens, scheduler.max_num_seqs = None, 2  # no slot
+    assert not scheduler.can_admit()
