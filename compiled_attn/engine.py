@@ -42,7 +42,7 @@ from .mixed_graphs import default_mixed_capture_sizes
 from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
 from .request_sync import RequestSync
-from .sampling import SamplingParams, check_seed, sample
+from .sampling import SamplingParams, check_seed, sample, sample_seed
 from .scheduler import Chunk, Request, Scheduler
 from .warmup import warmup_batches
 
@@ -248,7 +248,7 @@ class Engine:
             name: how errors name the prompt.
 
         Raises:
-            TypeError: a token id that is not an integer (e.g. a float).
+            TypeError: a token id that is not an integer (e.g. a float), or a ``seed`` that is not an int.
             ValueError: empty or out-of-vocabulary prompt, longer than ``max_model_len``
                 with ``max_new_tokens``; ``seed`` outside ``[0, 2**63)``; ``params.n``
                 above ``max_num_seqs``.
@@ -414,8 +414,8 @@ class Engine:
             parent = chunk.request
             if chunk.completes and parent.params.n > 1 and not parent.samples and not parent.output_ids:
                 params = dataclasses.replace(parent.params, n=1, seed=None)
-                parent.samples = [Request(parent.request_id + k, parent.prompt_ids, params,
-                                          (parent.seed * 1_000_003 + k) % (1 << 63)) for k in range(1, parent.params.n)]
+                parent.samples = [Request(parent.request_id + k, parent.prompt_ids, params, sample_seed(parent.seed, k))
+                                  for k in range(1, parent.params.n)]
                 draws += [(i, child) for child in parent.samples]
         feed = None
         if behind is not None:

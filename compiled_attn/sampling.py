@@ -23,10 +23,25 @@ def check_seed(seed: int) -> None:
     """A request seed is an int64 the noise hash takes: ``0 <= seed < 2**63``.
 
     Raises:
+        TypeError: ``seed`` not an int (a float, a bool).
         ValueError: ``seed`` outside that range.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
     if not 0 <= seed < 1 << 63:
         raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` (``>= 1``) of a request seeded ``seed`` (``n > 1``):
+    the SplitMix64 finalizer (Steele et al., "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) of ``seed + index * golden ratio``, kept to 63 bits. Unlike
+    the linear ``seed * 1_000_003 + index`` of :meth:`Engine.generate`'s per-prompt seeds,
+    it does not map sample ``k`` of prompt 0 onto prompt ``k``'s seed."""
+    z = (seed + index * 0x9E3779B97F4A7C15) & (1 << 64) - 1
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & (1 << 64) - 1
+    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass(frozen=True)
@@ -42,10 +57,11 @@ class SamplingParams:
             own seed and the request's index.
         n: completions of the prompt (parallel sampling, vLLM's ``n``): the prompt is
             computed once and its blocks are shared, sample ``i > 0`` drawing with seed
-            ``(seed * 1_000_003 + i) mod 2**63``.
+            :func:`sample_seed` ``(seed, i)``.
 
     Raises:
-        TypeError: ``max_new_tokens`` or ``n`` not an int.
+        TypeError: ``temperature`` or ``top_p`` not a real number; ``max_new_tokens``,
+            ``n`` or ``seed`` not an int.
         ValueError: negative or infinite temperature, ``top_p`` outside ``(0, 1]``,
             ``max_new_tokens < 1``, ``n < 1``.
     """
@@ -57,6 +73,10 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a real number, got {value!r}")
         if not 0 <= self.temperature < math.inf:  # also NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

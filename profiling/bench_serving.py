@@ -136,7 +136,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--requests", type=int, default=None, help="default: 64 on cuda, 16 on cpu")
     parser.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 8 cuda, 2 cpu)")
     parser.add_argument("--system-prompt-len", type=int, default=None, help="default: 1024 cuda, 96 cpu")
@@ -152,19 +152,27 @@ def main() -> None:
                         default=("system-prompt", "long-prompts"), help="the scenarios to run (default: both)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
+    for name in ("requests", "rate", "system_prompt_len", "long_prompt_len", "budget"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     config = BENCH_CONFIG if cuda else random_model_config()
-    n = args.requests or (64 if cuda else 16)
-    rate = args.rate or (8.0 if cuda else 2.0)
-    system_len = args.system_prompt_len or (1024 if cuda else 96)
-    long_len = args.long_prompt_len or (8192 if cuda else 256)
-    budget = args.budget or (512 if cuda else 32)
+
+    def given(value, cuda_default, cpu_default):
+        return (cuda_default if cuda else cpu_default) if value is None else value
+
+    n = given(args.requests, 64, 16)
+    rate = given(args.rate, 8.0, 2.0)
+    system_len = given(args.system_prompt_len, 1024, 96)
+    long_len = given(args.long_prompt_len, 8192, 256)
+    budget = given(args.budget, 512, 32)
     max_len = max(2 * long_len, 4 * system_len, 512)
     model = build_random_model(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=args.device)
     vocab = config.vocab_size
 
     def engine(**kwargs) -> Engine:
+        # a quarter of the worst case, at least one longest request
         return Engine(model, max_model_len=max_len, max_num_seqs=64 if cuda else 16,
-                      num_blocks=cdiv(n * max_len, 16) // 4, **kwargs)
+                      num_blocks=max(cdiv(n * max_len, 16) // 4, cdiv(max_len, 16) + 1), **kwargs)
 
     rows = []
     if "system-prompt" in args.scenarios:

@@ -16,7 +16,7 @@ import torch
 from compiled_attn.block_allocator import BlockAllocator, block_hash
 from compiled_attn.engine import Engine
 from compiled_attn.models import DiffLlamaConfig, build_random_model
-from compiled_attn.sampling import SamplingParams
+from compiled_attn.sampling import SamplingParams, sample_seed
 from compiled_attn.scheduler import Request, Scheduler
 
 CONFIG = DiffLlamaConfig(
@@ -191,7 +191,8 @@ def test_parallel_samples_share_the_prompt_blocks_and_equal_single_requests(mode
         e.step()
     got = [r.output_ids for r in [parent, *parent.samples]]
     assert len({tuple(g) for g in got}) > 1  # sampled: the completions differ
-    seeds = [5] + [(5 * 1_000_003 + k) % (1 << 63) for k in range(1, 4)]
+    seeds = [5] + [sample_seed(5, k) for k in range(1, 4)]
+    assert [r.seed for r in parent.samples] == seeds[1:]
     single = SamplingParams(max_new_tokens=12, temperature=1.0)
     for seed, output in zip(seeds, got):
         alone = engine(model, num_blocks=200)
@@ -243,3 +244,21 @@ def test_can_admit_counts_slots_budget_and_reserved_blocks():
     assert not scheduler.can_admit()
     scheduler.max_num_batched_tokens, scheduler.max_num_seqs = None, 2  # no slot
     assert not scheduler.can_admit()
+
+
+def test_parallel_samples_draw_seeds_no_other_prompt_of_the_call_has(model):
+    """``generate`` seeds prompt ``i`` with ``i`` (its default seed 0); the samples of
+    prompt 0 must not take prompts 1, 2, ...'s seeds (equal prompts would then give equal
+    "independent" completions)."""
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_new_tokens=8, temperature=2.0, n=3)
+    completions, _ = engine(model, num_blocks=200).generate([prompt] * 3, params)
+    everyone = [r for c in completions for r in (c, *c.samples)]
+    assert len({r.seed for r in everyone}) == len(everyone) == 9
+    assert len({tuple(r.output_ids) for r in everyone}) > 3  # not three copies of three completions
+
+
+def test_sampling_params_name_bad_types():
+    for bad in (dict(seed=1.5), dict(seed=True), dict(temperature="0.5"), dict(top_p=None)):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            SamplingParams(**bad)
