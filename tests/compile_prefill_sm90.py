@@ -13,17 +13,13 @@ goes through ``triton.compile`` for sm90 down to the cubin, then Triton's bundle
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_sm90 import compile_for_sm90  # noqa: E402
+from compile_sm90 import compile_for_sm90, ptxas_usage, record_launches  # noqa: E402
 
 
 def recorded_launches() -> list[tuple[str, object, dict, dict]]:
@@ -31,18 +27,11 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
     tiles, plain and differential, D 64 and 128 (D 256 plain), GQA 4."""
     import importlib
 
-    from compiled_attn.ops.triton_kernels import launch_utils
-
     # (the package's name ``prefill_kernel`` is the kernel; the module is in sys.modules)
     prefill = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
 
     launches, case = [], [""]
-
-    def record(self, key, grid, args, device_index, specialize):
-        constexprs, options = specialize()
-        launches.append((case[0], self.kernel, {**dict(zip(self.kernel.arg_names, args)), **constexprs}, options))
-
-    launch_utils.CachedLauncher.__call__ = record
+    record_launches(launches, case)
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
     for (head_size, differential), tiles in prefill.HOPPER_TILES.items():
@@ -52,22 +41,6 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
         lam = torch.full((16,), 0.5) if differential else None
         prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=tiles, use_tma=True)
     return launches
-
-
-def ptxas_usage(ptx: str) -> dict:
-    """Registers and spill bytes of the PTX's kernel, from ``ptxas -v`` for sm_90a."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        Path(src).write_text(ptx)
-        done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")],
-                              capture_output=True, text=True, check=True)
-    log = done.stdout + done.stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
-    return {"registers": registers, "spill_stores": stores, "spill_loads": loads}
 
 
 def main() -> None:

@@ -1,16 +1,26 @@
-"""Compile the backward kernels of ``varlen_attention`` for sm90 (H100/H200) without a GPU.
+"""Compile kernels for sm90 (H100/H200) without a GPU.
 
-Run as a script in a process without ``TRITON_INTERPRET``: the launcher runs on small CPU
-tensors with its launches recorded instead of made (as ``kernel_writes.py``), then each
-recorded launch goes through ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, every
-stage down to the cubin (Triton's bundled ptxas). Prints one JSON list of
-``{case, kernel, shared}`` (shared memory bytes); a kernel that does not type-check or lower
-raises. ``test_attention_backward_kernel.py`` runs it.
+``python compile_sm90.py backward``: the backward kernels of ``varlen_attention``;
+``python compile_sm90.py decode``: paged decode launches as an H200 (132 multiprocessors)
+makes them, split into flash-decoding partials. Run in a process without
+``TRITON_INTERPRET``: the launcher runs on small CPU tensors with its launches recorded
+instead of made (as ``kernel_writes.py``), then each recorded launch goes through
+``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, every stage down to the cubin
+(Triton's bundled ptxas), and ``ptxas -v`` of its PTX counts registers and spills. Prints
+one JSON list of ``{case, kernel, shared, registers, spill_stores, spill_loads}`` (shared
+memory bytes, registers a thread); a kernel that does not type-check or lower raises.
+``test_attention_backward_kernel.py`` and ``test_kernel_registers.py`` run it.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -22,14 +32,10 @@ from triton.runtime import jit
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def recorded_launches() -> list[tuple[str, object, dict, dict]]:
-    """``(case, kernel, arguments by name, options)`` of the backward launches of a few
-    bfloat16 calls at their default tiles (plain GQA 4 D 128; differential D 64 with softcap,
-    ALiBi, windows and per-call scalars; float32 D 72)."""
-    from compiled_attn.ops.triton_kernels import attention_backward_kernel as backward
+def record_launches(launches: list, case: list) -> None:
+    """Patch :class:`CachedLauncher` so that launches append ``(case, kernel, arguments by
+    name, options)`` to ``launches`` instead of running."""
     from compiled_attn.ops.triton_kernels import launch_utils
-
-    launches, case = [], [""]
 
     def record(self, key, grid, args, device_index, specialize):
         constexprs, options = specialize()
@@ -37,6 +43,43 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
         launches.append((case[0], self.kernel, {**dict(zip(names, args)), **constexprs}, options))
 
     launch_utils.CachedLauncher.__call__ = record
+
+
+def decode_launches() -> list[tuple[str, object, dict, dict]]:
+    """``(case, kernel, arguments by name, options)`` of paged decode at B=64, 4096 keys,
+    Hq 32, Hkv 8, D 128, block 16 (2 flash-decoding splits on 132 multiprocessors): plain
+    and differential over a bfloat16 cache, plain over a float8_e4m3fn cache."""
+    from compiled_attn.ops.triton_kernels import attention
+
+    launches, case = [], [""]
+    record_launches(launches, case)
+    g = torch.Generator().manual_seed(0)
+    batch, context = 64, 4096
+    blocks = batch * context // 16
+    key = torch.randn(blocks, 16, 8, 128, generator=g).to(torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    query = torch.randn(batch, 32, 128, generator=g).to(torch.bfloat16)
+    scale = torch.tensor(0.5)
+    fp8 = key.to(torch.float8_e4m3fn)
+    with mock.patch.object(attention, "multiprocessor_count", lambda device: 132):
+        for case[0], args, kwargs in (
+                ("decode plain bf16", (query, key, key, cu, seq_lens, table), {}),
+                ("decode differential bf16", (query, key, key, cu, seq_lens, table, torch.rand(16)), {}),
+                ("decode plain fp8", (query, fp8, fp8, cu, seq_lens, table), dict(k_scale=scale, v_scale=scale))):
+            attention.paged_attention(*args, **kwargs)
+    return launches
+
+
+def backward_launches() -> list[tuple[str, object, dict, dict]]:
+    """``(case, kernel, arguments by name, options)`` of the backward launches of a few
+    bfloat16 calls at their default tiles (plain GQA 4 D 128; differential D 64 with softcap,
+    ALiBi, windows and per-call scalars; float32 D 72)."""
+    from compiled_attn.ops.triton_kernels import attention_backward_kernel as backward
+
+    launches, case = [], [""]
+    record_launches(launches, case)
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
     for name, (heads, kv_heads, size, lam, dtype, extra) in {
@@ -78,12 +121,30 @@ def compile_for_sm90(kernel, kwargs: dict, options: dict):
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=TARGET, options=options)
 
 
+def ptxas_usage(ptx: str) -> dict:
+    """Registers a thread and spill bytes of the PTX's kernel (its ``maxnreg``, if any, is in
+    the PTX), from the bundled ``ptxas -v`` for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(source),
+                               "-o", str(Path(folder) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    log = done.stdout + done.stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return {"registers": registers, "spill_stores": stores, "spill_loads": loads}
+
+
 def main() -> None:
+    launches = {"backward": backward_launches, "decode": decode_launches}[sys.argv[1]]()
     report = []
-    for case, kernel, kwargs, options in recorded_launches():
+    for case, kernel, kwargs, options in launches:
         compiled = compile_for_sm90(kernel, kwargs, options)
         assert "cubin" in compiled.asm, "no cubin"
-        report.append({"case": case, "kernel": kernel.fn.__name__, "shared": compiled.metadata.shared})
+        report.append({"case": case, "kernel": kernel.fn.__name__, "shared": compiled.metadata.shared,
+                       **ptxas_usage(compiled.asm["ptx"])})
     print(json.dumps(report))
 
 

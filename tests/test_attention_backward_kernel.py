@@ -216,7 +216,7 @@ def test_kernels_compile_for_sm90():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "backward"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report) == 6 and {r["kernel"] for r in report} == {"attention_backward_dq_kernel",

@@ -325,21 +325,25 @@ def test_interpreter_fp8_stacked_decode(scales):
 def test_fp8_decode_tiles_keep_the_query_dtypes_variants():
     """Decode tiles over an fp8 cache (``config.fp8_decode_tiles``): plain D 128 takes twice
     the keys a step and ``FP8_DECODE_STAGES`` stages, differential D 128 (twice the bytes a
-    key) the same keys; prefill tiles are the 16-bit cache's. The split counts are the
+    key) the same keys; plain D 128 (group 4) is held to ``FP8_DECODE_REGISTERS``, D 256
+    is not; prefill tiles are the 16-bit cache's. The split counts are the
     16-bit cache's, and every compiled variant of a 16-bit cache's launch determines the fp8
     cache's: the engine's warm-up, which enumerates variants from the query's dtype, still
     compiles one launch of each fp8 variant."""
     pytest.importorskip("triton")
     from compiled_attn.ops.triton_kernels.attention import _launch_plan, kernel_variant
-    from compiled_attn.ops.triton_kernels.config import FP8_DECODE_STAGES
+    from compiled_attn.ops.triton_kernels.config import FP8_DECODE_REGISTERS, FP8_DECODE_STAGES
 
     def plan(tokens, seqs, differential, head_size, kv_dtype):
         return _launch_plan(tokens, 32, head_size, 8, seqs, 8192, differential, torch.bfloat16, 132, kv_dtype)
 
     decode = plan(64, 64, False, 128, FP8).tiles, plan(64, 64, False, 128, None).tiles
     assert (decode[0].tile_n, decode[0].num_stages) == (2 * decode[1].tile_n, FP8_DECODE_STAGES)
+    assert (decode[0].max_registers, decode[1].max_registers) == (FP8_DECODE_REGISTERS, None)
+    assert plan(64, 64, False, 256, FP8).tiles.max_registers is None  # would spill
     decode = plan(64, 64, True, 128, FP8).tiles, plan(64, 64, True, 128, None).tiles
     assert (decode[0].tile_n, decode[0].num_stages) == (decode[1].tile_n, FP8_DECODE_STAGES)
+    assert decode[0].max_registers is None
     assert plan(4096, 2, False, 128, FP8) == plan(4096, 2, False, 128, None)
     for differential in (False, True):
         for head_size in (64, 128, 256):

@@ -32,7 +32,7 @@ from paged_batches import (  # noqa: E402
 from compiled_attn.ops import triton_kernels  # noqa: E402
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as triton_attention  # noqa: E402
-from compiled_attn.ops.triton_kernels.attention import launch_plan  # noqa: E402
+from compiled_attn.ops.triton_kernels.attention import launch_plan, split_buffers  # noqa: E402
 from compiled_attn.ops.triton_kernels.merge_kernel import merge_block_v  # noqa: E402
 from compiled_attn.ops.triton_kernels.config import (  # noqa: E402
     MAX_SPLITS,
@@ -163,7 +163,7 @@ def test_paged_split_kv(num_splits, differential, monkeypatch):
     buffers start as NaN: splits without keys write no partial, and the merge must not
     read one."""
     def poisoned(shape, device):
-        return tuple(torch.full(s, float("nan"), device=device) for s in (shape, shape[:3]))
+        return tuple(buffer.fill_(float("nan")) for buffer in split_buffers(shape, device))
 
     monkeypatch.setattr(triton_attention, "split_buffers", poisoned)
     head_size = 24 if num_splits == 40 else 32

@@ -147,8 +147,9 @@ def _log_sum_exp(m, l):
 
 
 # Arguments whose values change with the batch are not specialized, so the compiled variants
-# depend on the launch plan alone (what ``Engine.warmup`` compiles ahead of requests).
-@triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist", "stride_os", "stride_ls"])
+# depend on the launch plan alone (what ``Engine.warmup`` compiles ahead of requests); the split
+# strides change with it too but are always 16-divisible (``attention.split_strides``).
+@triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist"])
 def attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
     cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr, alibi_ptr, scalars_ptr,

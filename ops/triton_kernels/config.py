@@ -42,6 +42,7 @@ MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256  # splits that only add requests in flight
 MIN_KEYS_PER_FILL_SPLIT = 64  # splits that give idle multiprocessors a program
 FP8_STEP_BYTES = 32768  # K/V bytes per key step of an fp8-cache decode tile, at most
+FP8_DECODE_REGISTERS = 168  # a thread's registers that keep 3 programs of 4 warps on a multiprocessor
 FP8_DECODE_STAGES = 5  # K/V buffers in Triton 3.6: 1 at 2-4 stages, 2 at 5-6, 3 at 7 (fp8_decode_tiles)
 
 
@@ -97,13 +98,14 @@ def choose_tiles(num_tokens: int, num_seqs: int, group_pad: int, head_size_pad: 
                        num_stages=1 if wide_steps else (3 if step_bytes <= 32768 else 2),
                        programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes), stacked=stacked)
     if kv_dtype == torch.float8_e4m3fn and dtype.itemsize == 2 and block_m == MIN_BLOCK_M:
-        return fp8_decode_tiles(tiles, head_size_pad * kv_loads)
+        return fp8_decode_tiles(tiles, head_size_pad * kv_loads, group_pad, head_size_pad)
     return tiles
 
 
-def fp8_decode_tiles(tiles: TileConfig, token_bytes: int) -> TileConfig:
+def fp8_decode_tiles(tiles: TileConfig, token_bytes: int, group_pad: int, head_size_pad: int) -> TileConfig:
     """Decode tiles (``block_m`` 16) over a float8_e4m3fn cache, from those of a 16-bit
-    cache (``tiles``); ``token_bytes``: the cache bytes of one key (K and V tiles).
+    cache (``tiles``); ``token_bytes``: the cache bytes of one key (K and V tiles);
+    ``group_pad`` query heads per KV head, head size padded to ``head_size_pad``.
 
     Triton 3.6 for sm90 (PTX of the B=64 ctx 8k decode, Hq 32, Hkv 8, D 128; registers
     from ptxas): the 16-bit tiles' 3 stages give K and V one shared-memory buffer each (the
@@ -117,10 +119,19 @@ def fp8_decode_tiles(tiles: TileConfig, token_bytes: int) -> TileConfig:
     step ``i``'s dots (plain D 128: 128 keys, 168 registers, 73 KiB of shared memory, 3
     programs a multiprocessor). ``programs_per_sm`` is kept, so the split count, and with
     it the compiled variants that the engine's warm-up enumerates from the query's dtype,
-    are those of the 16-bit cache."""
+    are those of the 16-bit cache.
+
+    Plain tiles of ``group_pad >= 4`` and ``head_size_pad <= 128`` are held to
+    ``FP8_DECODE_REGISTERS`` (Triton's ``maxnreg``): with the split strides specialized
+    (``attention.split_strides``) ptxas gives the plain D 128 kernel 182 registers, 2
+    programs a multiprocessor (H200: 2.91 TB/s against 3.15 at 168). ptxas, 2026-12-01:
+    no spill at 168 for group 4 and 16 at D 128, D 64 and D 96; spills for group 1 and 2
+    and D 256 (their uncapped counts, 200-233, keep 2 programs either way)."""
     doubled = 2 * tiles.tile_n
     tile_n = doubled if doubled * token_bytes <= FP8_STEP_BYTES else tiles.tile_n
-    return replace(tiles, tile_n=tile_n, num_stages=FP8_DECODE_STAGES)
+    capped = not tiles.stacked and group_pad >= 4 and head_size_pad <= 128
+    return replace(tiles, tile_n=tile_n, num_stages=FP8_DECODE_STAGES,
+                   max_registers=FP8_DECODE_REGISTERS if capped else None)
 
 
 def choose_num_splits(num_seqs: int, num_tokens: int, block_q: int, num_kv_units: int,
