@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ from .ops.backends import compiled_variants
 from .profile_report import write_report
 from .profiler import StepProfiler, summarize_trace
 from .sampling import SamplingParams
+from .scheduler import check_token_budget
 from .tokenizer import load_tokenizer
 from .tp_benchmark import run_tp_bench
 from .train_cli import add_train_arguments, bounded, run_train_command
@@ -58,6 +60,8 @@ def _prompt_ids(value: str) -> list[int]:
 
 _positive_int = bounded(int, lambda number: number >= 1, "an int >= 1")
 _seed = bounded(int, lambda number: 0 <= number < 1 << 63, "an int in [0, 2**63)")
+_temperature = bounded(float, lambda number: 0 <= number < math.inf, "a finite number >= 0 (0 = greedy)")
+_top_p = bounded(float, lambda number: 0 < number <= 1, "a number in (0, 1]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                          help="a prompt as comma-separated token ids (repeatable)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens (bytes) per completion, default 96")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=_top_p, default=1.0)
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (and init seed of --random-model)")
     gen.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     gen.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA-graph replay (cuda only)")
@@ -97,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--calculate-kv-scales", action="store_true",
                      help="with an fp8 cache: per-layer scales max|k|/448, max|v|/448 from the prompts (default 1.0)")
     gen.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
-                     help="most tokens a step computes; longer prompts are prefilled in chunks (default: no limit)")
+                     help="most tokens a step computes, at least --block-size and --max-batch-size; longer "
+                          "prompts are prefilled in chunks (default: no limit)")
     gen.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from its first token")
     gen.add_argument("--num-blocks", type=_positive_int,
                      help="KV-cache blocks (default: 8 sequences of max length, at most 65536 tokens)")
@@ -200,6 +205,8 @@ def generate(args, tokenizer) -> dict:
                              ("--profile-steps", args.profile_steps is not None)) if on]
     if flags and args.profile is None:
         raise ValueError(f"{' '.join(flags)} needs --profile DIR")
+    check_token_budget(args.max_num_batched_tokens, args.max_batch_size, args.block_size,
+                       names=("--max-num-batched-tokens", "--max-batch-size", "--block-size"))
     if args.profile is not None:  # before the model loads, not when the trace is written
         if not args.profile:
             raise ValueError("--profile needs a directory, got ''")

@@ -15,7 +15,7 @@ Decode tokens are read one step late (``async_decode``, vLLM's "async scheduling
 step is left in flight, its tokens on their way to pinned host memory, and when the next
 step is a decode over the same rows it is launched before those tokens are read, so the
 host's bookkeeping and launch overlap the device's work. The step advances its own inputs
-on the device (:func:`~compiled_attn.graphs.advance`), which is what lets it run before the
+on the device (:func:`~compiled_attn.step_inputs.advance`), which is what lets it run before the
 host has seen the previous tokens. A request that arrives meanwhile is admitted the same
 way: the mixed step that prefills it is launched behind the decode step in flight, its decode
 rows taking their input tokens from that step's output on the device. Everything runs in
@@ -43,7 +43,7 @@ from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
 from .request_sync import RequestSync
 from .sampling import SamplingParams, check_seed, sample, sample_seed
-from .scheduler import Chunk, Request, Scheduler
+from .scheduler import Chunk, Request, Scheduler, check_token_budget
 from .warmup import warmup_batches
 
 __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings", "engine_mode"]
@@ -152,10 +152,12 @@ class Engine:
             from :func:`~compiled_attn.kv_cache.calibrate_kv_scales`; default 1.0.
 
     Raises:
-        ValueError: bad sizes (``max_num_batched_tokens`` below ``block_size``, a mixed
-            capture shape that is not a pair ``1 <= seqs <= tokens``), CUDA graphs asked for
-            a CPU model, an unknown ``kv_cache_dtype``, bad ``kv_scales`` (or
-            ``kv_scales`` without an fp8 cache).
+        ValueError: bad sizes (``max_model_len`` above the model's
+            ``max_position_embeddings``, ``max_num_batched_tokens`` below ``block_size`` or
+            ``max_num_seqs``, a mixed capture shape that is not a pair ``1 <= seqs <=
+            tokens``), CUDA graphs asked for a CPU model, an unknown ``kv_cache_dtype``, bad
+            ``kv_scales`` (or ``kv_scales`` without an fp8 cache).
+        TypeError: a size that is not an int, a flag that is not a bool.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int | None = None,
@@ -180,13 +182,15 @@ class Engine:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        if max_num_batched_tokens is not None and (
-                isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
-                or max_num_batched_tokens < block_size):
-            raise ValueError(f"max_num_batched_tokens must be None or an int >= block_size ({block_size}), "
-                             f"got {max_num_batched_tokens!r}")
+        if self.max_model_len > config.max_position_embeddings:  # as vLLM's model config refuses it
+            raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
+                             f"max_position_embeddings ({config.max_position_embeddings})")
+        flags = {"enable_prefix_caching": enable_prefix_caching, "compile": compile, "async_decode": async_decode,
+                 "warmup": warmup, "cuda_graphs": False if cuda_graphs is None else cuda_graphs}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        check_token_budget(max_num_batched_tokens, max_num_seqs, block_size)  # before any allocation
         if mixed_capture_sizes is not None:
             mixed_capture_sizes = _check_mixed_sizes(mixed_capture_sizes)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -455,12 +459,11 @@ class Engine:
         (so the buffers it advanced on the device are the next step's inputs, and no row
         needs rewriting from the host), no waiting request can be admitted (no prefill comes
         first), no row reaches ``max_new_tokens`` with the in-flight token (it would leave
-        the batch), the budget holds every row, and the cache has the blocks the step needs
-        without preempting. Only an EOS among the in-flight tokens is unknown; see :meth:`step`.
+        the batch), and the cache has the blocks the step needs without preempting (the
+        budget, at least ``max_num_seqs``, holds every row). Only an EOS among the in-flight
+        tokens is unknown; see :meth:`step`.
         """
-        budget = self.scheduler.max_num_batched_tokens
         return (self._inflight_rows_go_on()
-                and (budget is None or len(self.scheduler.running) <= budget)
                 and not self.scheduler.can_admit()
                 and self._next_blocks() <= self.kv_cache.allocator.num_free_blocks)
 

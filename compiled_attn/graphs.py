@@ -1,7 +1,9 @@
-"""Decode steps as captured CUDA graphs: static buffers, padding, capture and replay.
+"""Decode steps as captured CUDA graphs: capture sizes, the step, capture and replay.
 
 A decode step (forward + sampling + advancing the metadata to the next token) is one
-function of static buffers (:class:`DecodeBuffers`) sized for the largest batch. For each
+function of static buffers (:class:`~compiled_attn.step_inputs.DecodeBuffers`) sized for
+the largest batch. :class:`CUDAGraphRunner` captures and replays it, and mixed steps too
+(:mod:`compiled_attn.mixed_graphs`). For each
 capture size ``n`` the step over the first ``n`` rows is captured once (largest first,
 into one shared memory pool, after warm-up runs that keep Triton autotuning and
 compilation out of the graph). A real batch of ``b`` rows replays the graph of the
@@ -22,10 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .block_allocator import slot_of
-from .metadata import AttentionMetadata, write_buffers
-from .ops import PAD_SLOT_ID
 from .sampling import sample
+from .step_inputs import DecodeBuffers, advance
 
 
 def default_capture_sizes(max_batch_size: int = 256) -> list[int]:
@@ -35,109 +35,6 @@ def default_capture_sizes(max_batch_size: int = 256) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
     sizes += list(range(16, max_batch_size + 1, 8))
     return sorted(set(sizes) | {max_batch_size})
-
-
-@dataclass
-class DecodeRow:
-    """Host description of one decode row: the last token and where the next one goes.
-
-    Attributes:
-        token_id: the token to feed (last sampled one).
-        position: its position (``seq_len - 1``).
-        block_table: the sequence's block ids, covering ``position`` (and ``position + 1``
-            so that the on-device advance can address the next slot).
-        temperature, top_p, seed: the request's sampling parameters.
-    """
-
-    token_id: int
-    position: int
-    block_table: Sequence[int]
-    temperature: float
-    top_p: float
-    seed: int
-
-
-class DecodeBuffers:
-    """Static device buffers of the decode batch, at the largest size.
-
-    Args:
-        max_rows: rows of the largest batch.
-        max_blocks_per_seq: ``block_table`` width.
-        block_size: tokens per block.
-        device: where the buffers live.
-    """
-
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device) -> None:
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.block_size = block_size
-        self.input_ids = zeros(max_rows)
-        self.positions = zeros(max_rows)
-        self.slot_mapping = torch.full((max_rows,), PAD_SLOT_ID, dtype=torch.int64, device=device)
-        self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token each
-        self.seq_lens = zeros(max_rows, dtype=torch.int32)
-        self.block_table = zeros(max_rows, max_blocks_per_seq, dtype=torch.int32)
-        self.temperature = zeros(max_rows, dtype=torch.float32)
-        self.top_p = torch.ones(max_rows, device=device)
-        self.seeds = zeros(max_rows)
-
-    @property
-    def max_rows(self) -> int:
-        return self.input_ids.shape[0]
-
-    def metadata(self, rows: int) -> AttentionMetadata:
-        """Views of the first ``rows`` rows as a decode batch."""
-        return AttentionMetadata(
-            self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
-            self.cu_seqlens_q[: rows + 1], self.seq_lens[:rows], self.block_table[:rows],
-        )
-
-    def write(self, rows: Sequence[DecodeRow], size: int) -> None:
-        """Copy ``rows`` into the buffers and pad up to ``size`` rows with safe values.
-
-        Raises:
-            ValueError: more rows than ``size`` or ``size`` above the buffers.
-        """
-        if not len(rows) <= size <= self.max_rows:
-            raise ValueError(f"need len(rows) <= size <= {self.max_rows}, got {len(rows)} rows, size {size}")
-        pad = size - len(rows)
-        bs = self.block_size
-        host = {
-            "input_ids": [r.token_id for r in rows] + [0] * pad,
-            "positions": [r.position for r in rows] + [0] * pad,
-            "slot_mapping": [slot_of(r.block_table, r.position, bs) for r in rows]
-            + [PAD_SLOT_ID] * pad,
-            "seq_lens": [r.position + 1 for r in rows] + [0] * pad,
-            "temperature": [r.temperature for r in rows] + [0.0] * pad,
-            "top_p": [r.top_p for r in rows] + [1.0] * pad,
-            "seeds": [r.seed for r in rows] + [0] * pad,
-        }
-        # the rows' own block ids only: a padding row has no keys, so its table is never read
-        write_buffers(self, host, [r.block_table for r in rows])
-
-    def set_block(self, row: int, index: int, block_id: int) -> None:
-        """Write one new block id (a sequence crossed into a new block).
-
-        A fill kernel with the id as its argument, enqueued behind the step in flight.
-        ``table[i, j] = id`` would instead copy a host scalar without ``non_blocking``,
-        which waits for the stream and so for the step in flight.
-        """
-        self.block_table[row, index].fill_(block_id)
-
-
-def advance(md: AttentionMetadata, tokens: torch.Tensor, block_size: int) -> None:
-    """Move a decode batch to its next token in place, on the device.
-
-    The sampled ``tokens`` become ``input_ids``; live rows (``seq_lens > 0``) step their
-    position and length and get the slot of the new position from ``block_table``;
-    padding rows stay at length 0 and slot ``PAD_SLOT_ID``.
-    """
-    live = md.seq_lens > 0
-    md.input_ids.copy_(tokens)
-    md.positions.add_(live.long())
-    md.seq_lens.add_(live.int())
-    md.slot_mapping.copy_(torch.where(live, slot_of(md.block_table, md.positions, block_size), PAD_SLOT_ID))
 
 
 def decode_step(forward: Callable, kv_caches, buffers: DecodeBuffers, rows: int,

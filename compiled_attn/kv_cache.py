@@ -21,6 +21,7 @@ calibration prompts; vLLM's ``calculate_kv_scales`` divides by 200 and 100 inste
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -116,8 +117,8 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
 
     Args:
         model: a model with ``forward(md, kv_caches)``, ``config`` (``num_key_value_heads``,
-            ``head_dim``) and ``num_cache_layers``, as :class:`~compiled_attn.Engine` takes.
-        prompts: token-id lists, each non-empty.
+            ``head_dim``, ``vocab_size``) and ``num_cache_layers``, as :class:`~compiled_attn.Engine` takes.
+        prompts: token-id lists, each non-empty, every id in ``[0, vocab_size)``.
         block_size: block size of the temporary cache.
         k_range, v_range: what the largest magnitude maps to, > 0 and at most 448.
 
@@ -126,14 +127,25 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         ``Engine(..., kv_cache_dtype="fp8", kv_scales=...)`` or :func:`allocate_kv_caches`.
 
     Raises:
-        ValueError: no prompts or an empty prompt; a range outside ``(0, 448]``; non-finite
-            keys or values.
+        TypeError: a token id that is not an integer.
+        ValueError: no prompts, an empty prompt or a token id outside ``[0, vocab_size)``
+            (before the model runs); a range outside ``(0, 448]``; non-finite keys or values.
     """
     from .metadata import SequenceChunk, build_metadata
 
-    prompts = [list(p) for p in prompts]
-    if not prompts or not all(prompts):
-        raise ValueError("calibrate_kv_scales needs at least one prompt, each with >= 1 token id")
+    try:
+        prompts = [[operator.index(t) for t in p] for p in prompts]
+    except TypeError:
+        raise TypeError(f"prompts must be lists of integer token ids, got {prompts!r:.120}") from None
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt")
+    vocab = model.config.vocab_size
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs >= 1 token")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}) (first: {bad})")
     for name, value in (("k_range", k_range), ("v_range", v_range)):
         if not 0 < value <= FP8_MAX:
             raise ValueError(f"{name} must lie in (0, {FP8_MAX:g}], got {value}")

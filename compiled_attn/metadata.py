@@ -124,22 +124,6 @@ def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory() if torch.device(device).type == "cuda" else host
 
 
-def write_buffers(owner, columns: dict[str, list], block_tables: Sequence[Sequence[int]]) -> None:
-    """Copy host ``columns`` (attribute name -> values) into the leading entries of
-    ``owner``'s device buffers of those names, and ``block_tables`` into the top-left corner
-    of ``owner.block_table`` (:func:`block_table_rows`): the static buffers of a decode or
-    mixed step (:mod:`compiled_attn.graphs`, :mod:`compiled_attn.mixed_graphs`), written by
-    non-blocking copies. Empty columns are left as they are."""
-    for name, values in columns.items():
-        if values:
-            buffer = getattr(owner, name)
-            buffer[: len(values)].copy_(pinned(torch.tensor(values, dtype=buffer.dtype), buffer.device),
-                                        non_blocking=True)
-    if block_tables:
-        table = pinned(block_table_rows(block_tables), owner.block_table.device)
-        owner.block_table[: table.shape[0], : table.shape[1]].copy_(table, non_blocking=True)
-
-
 @dataclass(frozen=True)
 class PackedChunks:
     """Host lists of one step's metadata (:func:`pack_chunks`), field names as
@@ -247,4 +231,4 @@ def build_metadata(
 
 
 __all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "block_table_rows", "build_metadata",
-           "pack_chunks", "write_buffers"]
+           "pack_chunks", "pinned"]

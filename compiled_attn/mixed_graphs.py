@@ -29,13 +29,11 @@ A step that fits no captured shape runs the compiled model directly (see
 
 from __future__ import annotations
 
-import bisect
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from .metadata import AttentionMetadata, PackedChunks, write_buffers
-from .ops import PAD_SLOT_ID
+from .step_inputs import MixedBuffers
 
 MAX_CAPTURE_TOKENS = 2048
 """Largest token count captured by default: past it a step's device time dwarfs its host time."""
@@ -68,90 +66,6 @@ def default_mixed_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int |
     max_seqs = 1 << max_num_seqs.bit_length()  # > max_num_seqs: room for the padding sequence
     return [(t, s) for t in _token_sizes(_MIN_CAPTURE_TOKENS, max_tokens)
             for s in _powers_of_two(1, max_seqs) if s <= t]
-
-
-class MixedBuffers:
-    """Static device buffers of a mixed step, at the largest captured shape.
-
-    Args:
-        sizes: the captured ``(tokens, seqs)`` shapes.
-        max_blocks_per_seq: ``block_table`` width.
-        device: where the buffers live.
-
-    Attributes:
-        input_ids, positions, slot_mapping: ``[max_tokens]`` int64.
-        cu_seqlens_q: ``[max_seqs + 1]`` int32; seq_lens: ``[max_seqs]`` int32;
-        block_table: ``[max_seqs, max_blocks_per_seq]`` int32.
-        draw_rows: ``[max_seqs]`` int64 sequence (logits row) of each draw.
-        temperature, top_p: ``[max_seqs]`` float32; seeds, sample_positions: ``[max_seqs]``
-            int64 sampling inputs of each draw (see :func:`~compiled_attn.sampling.sample`).
-    """
-
-    def __init__(self, sizes: Sequence[tuple[int, int]], max_blocks_per_seq: int, device) -> None:
-        self.sizes = sorted(set(sizes))
-        self._tokens = sorted({t for t, _ in self.sizes})
-        max_tokens = self._tokens[-1]
-        max_seqs = max(s for _, s in self.sizes)
-
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids, self.positions = zeros(max_tokens), zeros(max_tokens)
-        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT_ID, dtype=torch.int64, device=device)
-        self.cu_seqlens_q = zeros(max_seqs + 1, dtype=torch.int32)
-        self.seq_lens = zeros(max_seqs, dtype=torch.int32)
-        self.block_table = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
-        self.draw_rows, self.seeds, self.sample_positions = zeros(max_seqs), zeros(max_seqs), zeros(max_seqs)
-        self.temperature = zeros(max_seqs, dtype=torch.float32)
-        self.top_p = torch.ones(max_seqs, device=device)
-
-    def padded_shape(self, num_tokens: int, num_seqs: int, num_draws: int) -> tuple[int, int] | None:
-        """The smallest captured ``(tokens, seqs)`` that holds a step of ``num_tokens``
-        tokens in ``num_seqs`` sequences with ``num_draws`` draws (and a padding sequence
-        for the pad tokens, if any); ``None`` when none does."""
-        i = bisect.bisect_left(self._tokens, num_tokens)
-        if i == len(self._tokens):
-            return None
-        tokens = self._tokens[i]
-        seqs_needed = max(num_seqs + (tokens > num_tokens), num_draws)
-        fitting = [s for t, s in self.sizes if t == tokens and s >= seqs_needed]
-        return (tokens, min(fitting)) if fitting else None
-
-    def metadata(self, tokens: int, seqs: int) -> AttentionMetadata:
-        """Views of the buffers as a batch of ``tokens`` tokens in ``seqs`` sequences."""
-        return AttentionMetadata(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens],
-                                 self.cu_seqlens_q[: seqs + 1], self.seq_lens[:seqs], self.block_table[:seqs])
-
-    def write(self, packed: PackedChunks, shape: tuple[int, int], draws: Sequence[tuple[int, float, float, int, int]],
-              greedy: bool = False) -> None:
-        """Copy one step into the buffers, padded to ``shape`` (from :meth:`padded_shape`).
-
-        ``draws`` holds ``(sequence, temperature, top_p, seed, position)`` per sampled
-        token; ``greedy`` (every draw takes the argmax) writes their rows only. Only the
-        step's own ``block_table`` rows, and in them the columns up to the longest
-        (:func:`~compiled_attn.metadata.block_table_rows`), are written: a padding sequence
-        has no keys, so its row is never read.
-        """
-        tokens, seqs = shape
-        pad_tokens, pad_seqs, pad_draws = tokens - packed.num_tokens, seqs - packed.num_seqs, seqs - len(draws)
-        rows, temperature, top_p, seeds, positions = (list(column) for column in zip(*draws)) if draws else [[]] * 5
-        host = {
-            "input_ids": packed.input_ids + [0] * pad_tokens,
-            "positions": packed.positions + [0] * pad_tokens,
-            "slot_mapping": packed.slot_mapping + [PAD_SLOT_ID] * pad_tokens,
-            "cu_seqlens_q": packed.cu_seqlens_q + [tokens] * pad_seqs,
-            "seq_lens": packed.seq_lens + [0] * pad_seqs,
-            "draw_rows": rows + [0] * pad_draws,
-        }
-        if not greedy:
-            host.update(temperature=temperature + [0.0] * pad_draws, top_p=top_p + [1.0] * pad_draws,
-                        seeds=seeds + [0] * pad_draws, sample_positions=positions + [0] * pad_draws)
-        write_buffers(self, host, packed.block_table)
-
-    def write_padding(self, shape: tuple[int, int]) -> None:
-        """Write a step of ``shape`` that is all padding (what capturing runs on: the
-        attention kernels need ``cu_seqlens_q`` to end at the token count)."""
-        self.write(PackedChunks([], [], [], [0], [], [], self.block_table.shape[1], prefill_only=False), shape, [])
 
 
 def mixed_step(forward: Callable, kv_caches, buffers: MixedBuffers, shape: tuple[int, int],

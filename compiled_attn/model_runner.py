@@ -21,12 +21,13 @@ from typing import Sequence
 import torch
 from torch.profiler import record_function
 
-from .graphs import CaptureStats, CUDAGraphRunner, DecodeBuffers, decode_step
+from .graphs import CaptureStats, CUDAGraphRunner, decode_step
 from .kv_cache import KVCache
 from .metadata import SequenceChunk, pack_chunks, pinned
-from .mixed_graphs import MixedBuffers, mixed_step
+from .mixed_graphs import mixed_step
 from .ops import copy_blocks
 from .scheduler import Chunk, Request
+from .step_inputs import DecodeBuffers, MixedBuffers
 
 
 @dataclass

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .block_allocator import BlockAllocator, OutOfBlocksError
-from .graphs import DecodeRow
 from .sampling import SamplingParams
+from .step_inputs import DecodeRow
 
 
 @dataclass
@@ -104,19 +104,44 @@ class Chunk:
         return self.request.num_computed + self.num_tokens == self.request.num_tokens
 
 
+def check_token_budget(max_num_batched_tokens: int | None, max_num_seqs: int, block_size: int,
+                       names: tuple[str, str, str] = ("max_num_batched_tokens", "max_num_seqs", "block_size")) -> None:
+    """Check a step's token budget: ``None`` (no limit) or an int at least ``block_size``
+    (the first chunk of a prompt fills a block) and ``max_num_seqs`` (a token for each
+    running request; vLLM's rule). ``names``: what the three are called in the message (the
+    CLI passes its flags).
+
+    Raises:
+        ValueError: any other ``max_num_batched_tokens``.
+    """
+    budget, seqs, block = names
+    if max_num_batched_tokens is None:
+        return
+    if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int):
+        raise ValueError(f"{budget} must be None or an int, got {max_num_batched_tokens!r}")
+    if max_num_batched_tokens < max(block_size, max_num_seqs):
+        raise ValueError(f"{budget} must be >= {block} ({block_size}) and >= {seqs} ({max_num_seqs}, a token "
+                         f"for each running request), got {max_num_batched_tokens}")
+
+
 class Scheduler:
     """Queues requests and decides each step's chunks.
 
     Args:
         allocator: the KV cache's block allocator (prefix caching is its setting).
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: most tokens computed in one step (``None``: no limit, so
-            every prompt is prefilled whole).
+        max_num_batched_tokens: most tokens computed in one step, at least ``max_num_seqs``
+            (a token for each running request; ``None``: no limit, so every prompt is
+            prefilled whole).
         max_model_len: longest sequence (blocks are never allocated past it).
+
+    Raises:
+        ValueError: a bad ``max_num_batched_tokens`` (:func:`check_token_budget`).
     """
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int | None,
                  max_model_len: int) -> None:
+        check_token_budget(max_num_batched_tokens, max_num_seqs, allocator.block_size)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -180,12 +205,10 @@ class Scheduler:
 
     def can_admit(self, reserved_blocks: int = 0) -> bool:
         """Whether a waiting request would be admitted now (ignoring the prefix cache): a
-        running slot, a token of the budget left after one for each running request, and
-        its blocks among the free ones but ``reserved_blocks`` (set aside for the running
-        requests' growth)."""
+        running slot (the budget, at least ``max_num_seqs``, then has a token left after one
+        for each running request), and the blocks of its first chunk among the free ones
+        but ``reserved_blocks`` (set aside for the running requests' growth)."""
         if not self.waiting or self._slots() + self._rows(self.waiting[0]) > self.max_num_seqs:
-            return False
-        if self.max_num_batched_tokens is not None and len(self.running) >= self.max_num_batched_tokens:
             return False
         request = self.waiting[0]
         count = min(request.num_tokens, self.max_num_batched_tokens or request.num_tokens)

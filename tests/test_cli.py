@@ -199,10 +199,6 @@ def test_out_of_vocab_prompt_ids_exit_2(capsys):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--top-p", "0"], "top_p must lie in"),
-        (["--temperature", "-1"], "temperature must be finite and >= 0"),
-        (["--temperature", "nan"], "temperature must be finite and >= 0"),
-        (["--temperature", "inf"], "temperature must be finite and >= 0"),
         (["--max-new-tokens", "5000"], "exceeds max_model_len=4096"),
         (["--memory-snapshot", "snap.pickle"], "--memory-snapshot needs --profile DIR and --device cuda"),
     ],
@@ -252,7 +248,7 @@ def test_cuda_without_gpu_exits_2(capsys):
         (["--prompt-ids", "1,x"], "comma-separated integers"),
         (["--prompt-ids", ","], "at least one id"),
         (["--prompt-ids", "1", "--prompt", "hi"], "not allowed with"),
-        (["--temperature", "hot"], "invalid float"),
+        (["--temperature", "hot"], "argument --temperature: must be a finite number >= 0 (0 = greedy), got 'hot'"),
         (["--dtype", "float64"], "invalid choice"),
     ],
 )
@@ -293,6 +289,11 @@ def test_console_script_subprocess():
         (["--profile-steps", "0"], "argument --profile-steps: must be an int >= 1"),
         (["--seed", "-1"], r"argument --seed: must be an int in \[0, 2\*\*63\), got -1"),
         (["--seed", str(1 << 63)], "argument --seed: must be an int in"),
+        (["--top-p", "0"], r"argument --top-p: must be a number in \(0, 1\], got 0"),
+        (["--top-p", "1.5"], r"argument --top-p: must be a number in \(0, 1\], got 1.5"),
+        (["--temperature", "-1"], r"argument --temperature: must be a finite number >= 0 \(0 = greedy\), got -1"),
+        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
+        (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0"),
         (["--prompt-ids", "1,,2"], "argument --prompt-ids: --prompt-ids takes comma-separated integers"),
     ],
 )
@@ -301,6 +302,36 @@ def test_bad_option_values_are_argparse_errors_naming_the_option(capsys, args, m
         main([*BASE, *args])
     assert exit_info.value.code == 2
     assert __import__("re").search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "args, sizes",
+    [
+        (["--max-num-batched-tokens", "8"], "(16) and >= --max-batch-size (128, a token for each running request), got 8"),
+        (["--max-num-batched-tokens", "64"], "(16) and >= --max-batch-size (128, a token for each running request), got 64"),
+        (["--max-num-batched-tokens", "16", "--max-batch-size", "17"],
+         "(16) and >= --max-batch-size (17, a token for each running request), got 16"),
+        (["--max-num-batched-tokens", "31", "--max-batch-size", "4", "--block-size", "32"],
+         "(32) and >= --max-batch-size (4, a token for each running request), got 31"),
+    ],
+)
+def test_a_bad_token_budget_names_the_flags_before_the_model_loads(capsys, monkeypatch, args, sizes):
+    """Below a block or below one token per running sequence (vLLM's rule): an error naming
+    the flags, not the engine's ``max_num_batched_tokens``/``max_num_seqs``, before the model loads."""
+    import compiled_attn.cli as cli
+
+    def load_diffllama(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(cli, "load_diffllama", load_diffllama)
+    assert main([*BASE, "--prompt-ids", "1,2", *args]) == 2
+    assert capsys.readouterr().err == f"compiled-attn: error: --max-num-batched-tokens must be >= --block-size {sizes}\n"
+
+
+def test_a_token_budget_of_max_batch_size_runs(capsys):
+    result = run_json(capsys, "--max-num-batched-tokens", "16", "--max-batch-size", "16", "--max-new-tokens", "2",
+                      "--prompt-ids", ",".join(["5"] * 40))  # a 40-token prompt in chunks of 16
+    assert len(result["completions"][0]["generated_ids"]) == 2
 
 
 def test_unreadable_inputs_are_clean_errors(capsys, tmp_path):

@@ -232,6 +232,11 @@ def test_type_and_range_errors(model):
         engine.add_request([1, 2], greedy(2), seed=-1)
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):
         make_engine(model, max_model_len=0)
+    with pytest.raises(ValueError, match=r"max_model_len \(65\) is greater than the model's max_position_embeddings \(64\)"):
+        make_engine(model, max_model_len=65)
+    for flag in ("async_decode", "compile", "warmup", "cuda_graphs", "enable_prefix_caching"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got str 'no'"):
+            Engine(model, block_size=4, **{"compile": False, flag: "no"})
     assert engine.kv_cache.allocator.num_free_blocks == 40 and not engine.has_unfinished()
 
 
@@ -333,7 +338,8 @@ def test_cacheless_forward_with_kv_sharing_is_a_clear_error():
 def test_default_cache_is_capped_and_zero_blocks_refused(model):
     from compiled_attn.engine import DEFAULT_CACHE_TOKENS
 
-    engine = make_engine(model, max_model_len=64 * 1024, block_size=16)
+    long_context = build_random_model(dataclasses.replace(SMALL, max_position_embeddings=64 * 1024), seed=0)
+    engine = make_engine(long_context, warmup=False, block_size=16)  # max_model_len: the model's 64k
     assert engine.kv_cache.allocator.num_blocks == DEFAULT_CACHE_TOKENS // 16
     with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
         make_engine(model, num_blocks=0)

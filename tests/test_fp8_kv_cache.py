@@ -574,7 +574,7 @@ def test_engine_fp8_outputs_do_not_depend_on_prefix_caching_or_chunked_prefill()
 
     plain = run(enable_prefix_caching=False)
     assert run(enable_prefix_caching=True) == plain
-    assert run(enable_prefix_caching=False, max_num_batched_tokens=4) == plain
+    assert run(enable_prefix_caching=False, max_num_batched_tokens=4, max_num_seqs=4) == plain
 
 
 def test_engine_kv_cache_dtype_errors():
@@ -585,13 +585,34 @@ def test_engine_kv_cache_dtype_errors():
         Engine(model, compile=False, kv_scales=[(1.0, 1.0)] * 2)
     with pytest.raises(ValueError, match=r"kv_scales\[1\]: v_scale must be a finite float > 0, got -2.0"):
         Engine(model, compile=False, kv_cache_dtype="fp8", kv_scales=[(1.0, 1.0), (1.0, -2.0)])
-    with pytest.raises(ValueError, match=r"calibrate_kv_scales needs at least one prompt"):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         calibrate_kv_scales(model, [[1, 2], []])
     with pytest.raises(ValueError, match=r"v_range must lie in \(0, 448\], got 500"):
         calibrate_kv_scales(model, [[1, 2]], v_range=500)
     wide = calibrate_kv_scales(model, [[1, 2]], k_range=200, v_range=100)  # vLLM's defaults
     tight = calibrate_kv_scales(model, [[1, 2]])
     assert wide[0] == pytest.approx((tight[0][0] * 448 / 200, tight[0][1] * 448 / 100))
+
+
+def test_calibrate_kv_scales_checks_prompts_before_the_model_runs():
+    """Bad prompts are clear errors naming ``prompts`` (the engine's wording), raised before
+    the model runs: an out-of-vocabulary id would be an IndexError of the embedding."""
+    model = build_random_model(SMALL, seed=0)  # vocab_size 64
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    cases = [([], r"prompts must hold at least one prompt"),
+             ([[1, 2], []], r"prompts\[1\] is empty; every prompt needs >= 1 token"),
+             ([[1, 2], [3, 64, 70]], r"prompts\[1\] has token ids outside \[0, 64\) \(first: 64\)"),
+             ([[-1, 5]], r"prompts\[0\] has token ids outside \[0, 64\) \(first: -1\)")]
+    for prompts, match in cases:
+        with pytest.raises(ValueError, match=match):
+            calibrate_kv_scales(model, prompts)
+    with pytest.raises(TypeError, match=r"prompts must be lists of integer token ids, got \[\[1, 2.5\]\]"):
+        calibrate_kv_scales(model, [[1, 2.5]])
+    assert calls == []
+    assert len(calibrate_kv_scales(model, [[0, 63]])) == 2  # the range's ends are token ids
+    assert calls == [1]
+    handle.remove()
 
 
 def test_cli_generate_with_an_fp8_cache(capsys):

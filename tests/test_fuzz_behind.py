@@ -114,6 +114,8 @@ def random_case(seed: int) -> tuple[Arrivals, dict, float]:
     settings = dict(block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
                     max_num_batched_tokens=None if rng.random() < 0.5 else rng.randint(block_size, max(block_size, 16)),
                     enable_prefix_caching=rng.random() < 0.6, max_num_seqs=rng.choice([3, 4, 6, 16]))
+    if settings["max_num_batched_tokens"] is not None:  # a token for each running request (vLLM's rule)
+        settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], settings["max_num_seqs"])
     return arrivals, settings, rng.random()
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from compiled_attn.engine import Engine, InflightStep
-from compiled_attn.graphs import DecodeBuffers, decode_step
+from compiled_attn.graphs import decode_step
+from compiled_attn.step_inputs import DecodeBuffers
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.profiler import StepProfiler, summarize_trace
 from compiled_attn.sampling import SamplingParams

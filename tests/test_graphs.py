@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from compiled_attn.engine import Engine
-from compiled_attn.graphs import (
-    CUDAGraphRunner,
-    DecodeBuffers,
-    DecodeRow,
-    advance,
-    decode_step,
-    default_capture_sizes,
-)
+from compiled_attn.graphs import CUDAGraphRunner, decode_step, default_capture_sizes
+from compiled_attn.step_inputs import DecodeBuffers, DecodeRow, advance
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.sampling import SamplingParams
 

@@ -15,8 +15,8 @@ from compiled_attn.metadata import (
     build_metadata,
     pack_chunks,
     pinned,
-    write_buffers,
 )
+from compiled_attn.step_inputs import write_buffers
 
 BLOCK_SIZE = 4
 MAX_BLOCKS = 4

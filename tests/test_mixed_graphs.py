@@ -11,7 +11,8 @@ import torch
 
 from compiled_attn.engine import Engine
 from compiled_attn.metadata import SequenceChunk, build_metadata, pack_chunks
-from compiled_attn.mixed_graphs import MixedBuffers, default_mixed_capture_sizes, mixed_step
+from compiled_attn.mixed_graphs import default_mixed_capture_sizes, mixed_step
+from compiled_attn.step_inputs import MixedBuffers
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.ops import PAD_SLOT_ID
 from compiled_attn.sampling import SamplingParams, sample

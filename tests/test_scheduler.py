@@ -78,7 +78,7 @@ def test_prefix_caching_gives_the_same_tokens_and_hits(model, reference):
 @pytest.mark.parametrize("budget", [16, 64, 256])
 def test_chunked_prefill_gives_the_same_tokens(model, reference, budget):
     prompts, params = workload(1)
-    e = engine(model, num_blocks=1000, max_num_batched_tokens=budget)
+    e = engine(model, num_blocks=1000, max_num_batched_tokens=budget, max_num_seqs=16)  # (budget >= max_num_seqs)
     steps = []
     run = e.runner.launch_chunks
     e.runner.launch_chunks = lambda chunks, draws=None, feed=None: (
@@ -124,6 +124,18 @@ def test_bad_scheduler_settings_are_clear_errors(model):
         engine(model, max_num_batched_tokens=0)
     with pytest.raises(TypeError, match="max_num_seqs"):
         engine(model, max_num_seqs=1.5)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be >= block_size \(4\) and >= max_num_seqs "
+                                         r"\(17, a token for each running request\), got 16"):
+        engine(model, max_num_batched_tokens=16, max_num_seqs=17)  # vLLM's rule: a token per running request
+    assert engine(model, max_num_batched_tokens=16, max_num_seqs=16).scheduler.max_num_batched_tokens == 16
+
+
+def test_a_budget_below_max_num_seqs_is_refused_at_construction():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be >= block_size \(4\) and >= max_num_seqs "
+                                         r"\(5, a token for each running request\), got 4"):
+        Scheduler(alloc, max_num_seqs=5, max_num_batched_tokens=4, max_model_len=64)
+    assert Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=None, max_model_len=64).max_num_batched_tokens is None
 
 
 # --- the allocator's prefix cache ------------------------------------------------------------
@@ -227,22 +239,22 @@ def test_prefills_through_the_paged_kernel_give_the_same_tokens(model, reference
 
 
 def test_can_admit_counts_slots_budget_and_reserved_blocks():
-    """A waiting request is admissible with a free slot, a token of the budget left after
-    one per running request, and its blocks among the free ones minus those reserved."""
+    """A waiting request is admissible with a free slot and the blocks of its first chunk
+    (within the budget) among the free ones minus those reserved."""
     alloc = BlockAllocator(num_blocks=10, block_size=4)
-    scheduler = Scheduler(alloc, max_num_seqs=3, max_num_batched_tokens=3, max_model_len=64)
+    scheduler = Scheduler(alloc, max_num_seqs=3, max_num_batched_tokens=4, max_model_len=64)
     running = [Request(i, [1, 2], SamplingParams(), 0) for i in range(2)]
     for request in running:
         scheduler.add(request)
     scheduler.schedule()  # both admitted: 2 of 10 blocks taken (2 tokens + the next each)
     assert scheduler.running == running and alloc.num_free_blocks == 8
-    waiting = Request(5, list(range(9)), SamplingParams(), 0)  # a chunk of 1 token: 1 block
+    waiting = Request(5, list(range(9)), SamplingParams(), 0)  # a first chunk of 4 tokens: 1 block
     scheduler.add(waiting)
     assert scheduler.can_admit() and scheduler.can_admit(reserved_blocks=7)
     assert not scheduler.can_admit(reserved_blocks=8)
-    scheduler.max_num_batched_tokens = 2  # one token per running request: none left for it
-    assert not scheduler.can_admit()
-    scheduler.max_num_batched_tokens, scheduler.max_num_seqs = None, 2  # no slot
+    scheduler.max_num_batched_tokens = None  # the whole prompt and the next token: 3 blocks
+    assert scheduler.can_admit(reserved_blocks=5) and not scheduler.can_admit(reserved_blocks=6)
+    scheduler.max_num_seqs = 2  # no slot
     assert not scheduler.can_admit()
 
 
