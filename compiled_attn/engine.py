@@ -24,7 +24,6 @@ order on one CUDA stream.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import operator
 import time
@@ -38,11 +37,11 @@ from torch.profiler import record_function
 from .compile import CompiledFunction, CompileStats
 from .graphs import default_capture_sizes
 from .kv_cache import KVCache, OutOfBlocksError, resolve_kv_cache_dtype
-from .mixed_graphs import default_mixed_capture_sizes
+from .mixed_graphs import check_mixed_capture_sizes, default_mixed_capture_sizes
 from .model_runner import InflightStep, ModelRunner
 from .ops.arith import cdiv
 from .request_sync import RequestSync
-from .sampling import SamplingParams, check_seed, sample, sample_seed
+from .sampling import SamplingParams, check_seed, sample
 from .scheduler import Chunk, Request, Scheduler, check_token_budget
 from .warmup import warmup_batches
 
@@ -50,18 +49,6 @@ __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings
 
 DEFAULT_CACHE_TOKENS = 65536
 """Cap of the default KV-cache size, in tokens."""
-
-
-def _check_mixed_sizes(sizes) -> list[tuple[int, int]]:
-    """``sizes`` as a list of ``(tokens, seqs)`` int pairs with ``1 <= seqs <= tokens``."""
-    checked = []
-    for size in sizes:
-        if not (isinstance(size, (tuple, list)) and len(size) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) for n in size) and 1 <= size[1] <= size[0]):
-            raise ValueError(f"mixed_capture_sizes must hold (tokens, seqs) int pairs with 1 <= seqs <= tokens, "
-                             f"got {size!r}")
-        checked.append(tuple(size))
-    return checked
 
 
 @contextmanager
@@ -192,7 +179,7 @@ class Engine:
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         check_token_budget(max_num_batched_tokens, max_num_seqs, block_size)  # before any allocation
         if mixed_capture_sizes is not None:
-            mixed_capture_sizes = _check_mixed_sizes(mixed_capture_sizes)
+            mixed_capture_sizes = check_mixed_capture_sizes(mixed_capture_sizes)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, the model is on {self.device}")
@@ -252,7 +239,8 @@ class Engine:
             name: how errors name the prompt.
 
         Raises:
-            TypeError: a token id that is not an integer (e.g. a float), or a ``seed`` that is not an int.
+            TypeError: a token id that is not an integer (e.g. a float), ``params`` that is not a
+                :class:`SamplingParams`, or a ``seed`` that is not an int.
             ValueError: empty or out-of-vocabulary prompt, longer than ``max_model_len``
                 with ``max_new_tokens``; ``seed`` outside ``[0, 2**63)``; ``params.n``
                 above ``max_num_seqs``.
@@ -262,6 +250,8 @@ class Engine:
             prompt = [operator.index(t) for t in prompt_ids]
         except TypeError:
             raise TypeError(f"{name} must hold integer token ids, got {list(prompt_ids)[:8]}") from None
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         self._check_prompt(prompt, params, name)
         if seed is not None:
             check_seed(seed)
@@ -269,7 +259,7 @@ class Engine:
             raise ValueError(f"params.n={params.n} samples cannot run beside each other with "
                              f"max_num_seqs={self.max_num_seqs}")
         allocator = self.kv_cache.allocator
-        need = self.blocks_reserved(len(prompt), params.max_new_tokens)
+        need = self.scheduler.blocks_reserved(len(prompt), params.max_new_tokens)
         if need > allocator.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {len(prompt)} + {params.max_new_tokens} tokens needs "
@@ -292,8 +282,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError(f"{name} is empty; every prompt needs >= 1 token")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"{name} has token ids outside [0, {vocab})")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name} has token ids outside [0, {vocab}) (first: {bad})")
         if len(prompt) + params.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"{name} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
@@ -305,11 +296,6 @@ class Engine:
         step in flight (whose tokens may still finish requests or have to be dropped)."""
         return (self.scheduler.has_unfinished() or self._inflight is not None
                 or (self._sync is not None and self._sync.pending))
-
-    def blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance)."""
-        tokens = min(prompt_len + max_new_tokens + 1, self.max_model_len)
-        return cdiv(tokens, self.kv_cache.block_size)
 
     # --- steps ------------------------------------------------------------------------
 
@@ -347,7 +333,7 @@ class Engine:
             return self._run_chunks_behind()
         if self._can_overlap():
             with self._decode_phase():
-                launched = self.runner.launch_decode(list(running), 1, self.max_model_len)
+                launched = self.runner.launch_decode(list(running), self.scheduler.allocate_decode(1), 1)
                 self.timings.decode_steps += 1
                 finished = self._drain()
                 self._inflight = launched
@@ -363,7 +349,7 @@ class Engine:
             if self.cuda_graphs and self.runner.graph_runner is None:
                 self.runner.capture()
             with self._decode_phase():
-                self._inflight = self.runner.launch_decode(list(running), 0, self.max_model_len)
+                self._inflight = self.runner.launch_decode(list(running), self.scheduler.allocate_decode(0), 0)
                 self.timings.decode_steps += 1
                 if not self.async_decode:
                     finished += self._drain()
@@ -379,7 +365,7 @@ class Engine:
         blocks (plus one each for a copy-on-write). So the step admits a request, and it
         preempts no running one (none is queued with a stand-in token)."""
         return (self._inflight_rows_go_on()
-                and self.scheduler.can_admit(reserved_blocks=self._next_blocks() + len(self.scheduler.running)))
+                and self.scheduler.can_admit(reserved_blocks=self.scheduler.next_decode_blocks() + len(self.scheduler.running)))
 
     def _run_chunks_behind(self) -> list[Request]:
         """A mixed step launched behind the in-flight decode step (vLLM's async scheduling
@@ -417,10 +403,7 @@ class Engine:
         for i, chunk in enumerate(chunks):
             parent = chunk.request
             if chunk.completes and parent.params.n > 1 and not parent.samples and not parent.output_ids:
-                params = dataclasses.replace(parent.params, n=1, seed=None)
-                parent.samples = [Request(parent.request_id + k, parent.prompt_ids, params, sample_seed(parent.seed, k))
-                                  for k in range(1, parent.params.n)]
-                draws += [(i, child) for child in parent.samples]
+                draws += [(i, child) for child in self.scheduler.sample_requests(parent)]
         feed = None
         if behind is not None:
             rows = {r.request_id: row for row, r in enumerate(behind.requests)}
@@ -465,7 +448,7 @@ class Engine:
         """
         return (self._inflight_rows_go_on()
                 and not self.scheduler.can_admit()
-                and self._next_blocks() <= self.kv_cache.allocator.num_free_blocks)
+                and self.scheduler.next_decode_blocks() <= self.kv_cache.allocator.num_free_blocks)
 
     def _inflight_rows_go_on(self) -> bool:
         """A decode step is in flight (``async_decode``), its rows are exactly the running
@@ -474,14 +457,6 @@ class Engine:
         return (self.async_decode and inflight is not None
                 and [r.request_id for r in inflight.requests] == [r.request_id for r in running]
                 and all(len(r.output_ids) + 1 < r.params.max_new_tokens for r in running))
-
-    def _next_blocks(self) -> int:
-        """Blocks the running requests still need to hold ``num_tokens + 2`` tokens (within
-        ``max_model_len``): the token in flight, the one the next step samples, and the slot
-        a decode step's advance addresses after it."""
-        allocator = self.kv_cache.allocator
-        return sum(allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len))
-                   for r in self.scheduler.running)
 
     @contextmanager
     def _decode_phase(self):
@@ -632,7 +607,8 @@ class Engine:
             samples in its ``samples``), and the timings of this call.
 
         Raises:
-            TypeError: ``params`` that is not a SamplingParams or a sequence of them.
+            TypeError: ``params`` that is not a SamplingParams or a sequence of them; a
+                ``seed`` that is not an int.
             ValueError: no prompts, a params list of the wrong length, bad prompts (see
                 :meth:`add_request`); nothing is queued then.
             OutOfBlocksError: a request can never fit the cache.
@@ -640,6 +616,8 @@ class Engine:
         if not isinstance(params, SamplingParams) and not (isinstance(params, Sequence) and all(
                 isinstance(p, SamplingParams) for p in params)):
             raise TypeError(f"params must be a SamplingParams or a sequence of them, got {type(params).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int (any: taken modulo 2**63), got {type(seed).__name__} {seed!r}")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if not prompts:
             raise ValueError("prompts must hold at least one prompt")

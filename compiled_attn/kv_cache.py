@@ -21,6 +21,7 @@ calibration prompts; vLLM's ``calculate_kv_scales`` divides by 200 and 100 inste
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -56,14 +57,20 @@ def _check_kv_scales(kv_scales, num_layers: int) -> list[tuple[float, float]]:
     """``kv_scales`` as ``num_layers`` ``(k_scale, v_scale)`` floats; ``None``: all 1."""
     if kv_scales is None:
         return [(1.0, 1.0)] * num_layers
-    scales = [tuple(pair) for pair in kv_scales]
+    try:
+        scales = [tuple(pair) for pair in kv_scales]
+    except TypeError:
+        raise TypeError(f"kv_scales must be a sequence of (k_scale, v_scale) pairs, got {kv_scales!r:.120}") from None
     if len(scales) != num_layers or any(len(pair) != 2 for pair in scales):
         raise ValueError(f"kv_scales must hold one (k_scale, v_scale) pair per cache layer ({num_layers}), "
-                         f"got {kv_scales!r}")
+                         f"got {kv_scales!r:.120}")
     for layer, pair in enumerate(scales):
         for name, value in zip(("k_scale", "v_scale"), pair):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"kv_scales[{layer}]: {name} must be a finite float > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"kv_scales[{layer}]: {name} must be a real number, got {type(value).__name__} "
+                                f"{value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"kv_scales[{layer}]: {name} must be finite and > 0, got {value!r}")
     return [(float(k), float(v)) for k, v in scales]
 
 
@@ -91,12 +98,13 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             raise ValueError(f"{name} must be >= 1, got {value}")
     if kv_scales is not None and dtype != FP8_DTYPE:
         raise ValueError(f"kv_scales apply to an fp8 ({FP8_DTYPE}) cache only, the cache dtype is {dtype}")
+    scales = _check_kv_scales(kv_scales, num_layers) if dtype == FP8_DTYPE else None  # before allocating
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
               for _ in range(num_layers)]
-    if dtype == FP8_DTYPE:
-        caches = [(*pair, *(torch.tensor(s, dtype=torch.float32, device=device) for s in scales))
-                  for pair, scales in zip(caches, _check_kv_scales(kv_scales, num_layers))]
+    if scales is not None:
+        caches = [(*pair, *(torch.tensor(s, dtype=torch.float32, device=device) for s in layer_scales))
+                  for pair, layer_scales in zip(caches, scales)]
     for pair in caches:
         for cache in pair:
             torch._dynamo.mark_static_address(cache)

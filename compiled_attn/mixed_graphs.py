@@ -68,6 +68,23 @@ def default_mixed_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int |
             for s in _powers_of_two(1, max_seqs) if s <= t]
 
 
+def check_mixed_capture_sizes(sizes) -> list[tuple[int, int]]:
+    """``sizes`` (``Engine(mixed_capture_sizes=...)``) as a list of ``(tokens, seqs)`` int
+    pairs with ``1 <= seqs <= tokens``.
+
+    Raises:
+        ValueError: any other entry.
+    """
+    checked = []
+    for size in sizes:
+        if not (isinstance(size, (tuple, list)) and len(size) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in size) and 1 <= size[1] <= size[0]):
+            raise ValueError(f"mixed_capture_sizes must hold (tokens, seqs) int pairs with 1 <= seqs <= tokens, "
+                             f"got {size!r}")
+        checked.append(tuple(size))
+    return checked
+
+
 def mixed_step(forward: Callable, kv_caches, buffers: MixedBuffers, shape: tuple[int, int],
                sampler: Callable, greedy: bool = False) -> torch.Tensor:
     """Forward the buffers as a ``shape = (tokens, seqs)`` batch and sample every draw row

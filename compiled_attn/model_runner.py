@@ -166,21 +166,18 @@ class ModelRunner:
         return self.sampler(logits, column(temperature, torch.float32), column(top_p, torch.float32),
                             column(seeds, torch.int64), column(positions, torch.int64))
 
-    def launch_decode(self, requests: list[Request], ahead: int, max_model_len: int) -> InflightStep:
-        """Launch one decode step (one token for each of ``requests``, the running ones)
+    def launch_decode(self, requests: list[Request], tables: list[list[int]], ahead: int) -> InflightStep:
+        """Launch one decode step (one token for each of ``requests``, the running ones, whose
+        block ``tables`` already hold this step's slots: :meth:`Scheduler.allocate_decode`)
         through the static decode buffers; returns it in flight.
 
         ``ahead`` is how many tokens the device is past the host's ``output_ids`` (1 while
         a step is in flight: its advance already moved the buffers), so this step feeds
         position ``num_tokens - 1 + ahead`` and its advance addresses the one after.
         """
-        allocator = self.kv_cache.allocator
         rows = len(requests)
         size = self.graph_runner.padded_size(rows) if self.graph_runner is not None else None
         layout = (tuple(r.request_id for r in requests), size or rows)
-        # Room for the token in flight, this one and the advance's next slot: within
-        # max_model_len, as an overlapped step never runs past max_new_tokens.
-        tables = [allocator.allocate(r.request_id, min(r.num_tokens + ahead + 1, max_model_len)) for r in requests]
         if layout != self.decode_layout:
             assert ahead == 0, "decode rows change only after a drain, when the host is current"
             self.buffers.write([r.decode_row(table) for r, table in zip(requests, tables)], layout[1])

@@ -24,12 +24,14 @@ an engine with room to spare.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from .block_allocator import BlockAllocator, OutOfBlocksError
-from .sampling import SamplingParams
+from .ops.arith import cdiv
+from .sampling import SamplingParams, sample_seed
 from .step_inputs import DecodeRow
 
 
@@ -112,13 +114,15 @@ def check_token_budget(max_num_batched_tokens: int | None, max_num_seqs: int, bl
     CLI passes its flags).
 
     Raises:
-        ValueError: any other ``max_num_batched_tokens``.
+        TypeError: ``max_num_batched_tokens`` neither ``None`` nor an int.
+        ValueError: an int below either bound.
     """
     budget, seqs, block = names
     if max_num_batched_tokens is None:
         return
     if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int):
-        raise ValueError(f"{budget} must be None or an int, got {max_num_batched_tokens!r}")
+        raise TypeError(f"{budget} must be None or an int, got {type(max_num_batched_tokens).__name__} "
+                        f"{max_num_batched_tokens!r}")
     if max_num_batched_tokens < max(block_size, max_num_seqs):
         raise ValueError(f"{budget} must be >= {block} ({block_size}) and >= {seqs} ({max_num_seqs}, a token "
                          f"for each running request), got {max_num_batched_tokens}")
@@ -242,6 +246,40 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def blocks_reserved(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request holds at most: prompt + max_new_tokens (+1 for the advance), within
+        ``max_model_len``."""
+        return cdiv(min(prompt_len + max_new_tokens + 1, self.max_model_len), self.allocator.block_size)
+
+    def next_decode_blocks(self) -> int:
+        """Blocks the running requests still need to hold ``num_tokens + 2`` tokens (within
+        ``max_model_len``): the token of a decode step in flight, the one the next step
+        samples, and the slot a decode step's advance addresses after it."""
+        return sum(self.allocator.blocks_needed(r.request_id, min(r.num_tokens + 2, self.max_model_len))
+                   for r in self.running)
+
+    def allocate_decode(self, ahead: int) -> list[list[int]]:
+        """Blocks for a decode step over the running requests, returned as their block tables:
+        room for ``ahead`` tokens in flight (0 or 1), this step's and the slot the step's
+        advance addresses after it, within ``max_model_len`` (a step in flight never runs
+        past ``max_new_tokens``).
+
+        Raises:
+            OutOfBlocksError: the cache lacks them (the engine checks first, see
+                :meth:`next_decode_blocks`)."""
+        return [self.allocator.allocate(r.request_id, min(r.num_tokens + ahead + 1, self.max_model_len))
+                for r in self.running]
+
+    def sample_requests(self, parent: Request) -> list[Request]:
+        """The ``n - 1`` other samples of ``parent`` (parallel sampling), made when its prompt
+        completes and before it has an output: ids ``parent.request_id + k`` (reserved when
+        it was added), seeds :func:`~compiled_attn.sampling.sample_seed` ``(seed, k)``. They
+        join :attr:`running` through :meth:`fork`, each once its first token is drawn."""
+        params = dataclasses.replace(parent.params, n=1, seed=None)
+        parent.samples = [Request(parent.request_id + k, parent.prompt_ids, params, sample_seed(parent.seed, k))
+                          for k in range(1, parent.params.n)]
+        return parent.samples
 
     def computed(self, request: Request, count: int) -> None:
         """``count`` more tokens of ``request`` are in the cache; full blocks among them

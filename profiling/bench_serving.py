@@ -214,9 +214,9 @@ def system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len) -> lis
         ttft = {caching: percentile([r["ttft"] for r in records], q) * 1e3 for caching, (records, _, _) in runs.items()}
         rows.append(ResultRow(f"{case}: TTFT {name}, prefix caching", "ms", ttft[True], "without ms", ttft[False],
                               "<= 0.33" if q == 50 else ""))
-    for caching, (_, seconds, tokens) in runs.items():
-        rows.append(ResultRow(f"{case}: throughput, prefix caching {'on' if caching else 'off'}", "tokens/s",
-                              tokens / seconds, "-", 1))
+    throughput = {caching: tokens / seconds for caching, (_, seconds, tokens) in runs.items()}
+    rows.append(ResultRow(f"{case}: throughput, prefix caching", "tokens/s", throughput[True], "without tokens/s",
+                          throughput[False]))
     return rows
 
 

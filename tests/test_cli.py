@@ -348,11 +348,13 @@ def test_unreadable_inputs_are_clean_errors(capsys, tmp_path):
     assert "config.json is not valid JSON" in capsys.readouterr().err
 
 
-def test_importing_the_library_and_cli_leaves_dynamo_unloaded():
+def test_importing_the_library_and_cli_leaves_dynamo_and_the_bench_harness_unloaded():
     """``import compiled_attn`` (and the CLI module) loads neither Dynamo nor Inductor (about
-    1 s of a short eager run); ``torch.compile`` loads them when a function is compiled."""
-    code = ("import sys, compiled_attn, compiled_attn.cli; "
-            "print([m for m in ('torch._dynamo', 'torch._inductor', 'torch.export._trace') if m in sys.modules])")
+    1 s of a short eager run; ``torch.compile`` loads them when a function is compiled), nor
+    the benchmark harness (``compiled-attn bench`` imports it)."""
+    modules = ("torch._dynamo", "torch._inductor", "torch.export._trace", "compiled_attn.benchmark",
+               "compiled_attn.tp_benchmark")
+    code = f"import sys, compiled_attn, compiled_attn.cli; print([m for m in {modules} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout

@@ -210,7 +210,7 @@ def test_seeded_sampling_reproducible_and_seed_dependent(model):
     [
         ([], greedy(2), "at least one prompt"),
         ([[1, 2], []], greedy(2), r"prompts\[1\] is empty"),
-        ([[1, 64]], greedy(2), r"prompts\[0\] has token ids outside \[0, 64\)"),
+        ([[1, 64]], greedy(2), r"prompts\[0\] has token ids outside \[0, 64\) \(first: 64\)"),
         ([[3], [-1]], greedy(2), r"prompts\[1\] has token ids outside"),
         ([[1] * 60], greedy(5), r"prompts\[0\] has 60 tokens.*max_new_tokens=5.*max_model_len=64"),
     ],
@@ -228,6 +228,12 @@ def test_type_and_range_errors(model):
         engine.generate([[1.5, 2.7]], greedy(2))
     with pytest.raises(TypeError, match="max_new_tokens must be an int"):
         SamplingParams(max_new_tokens=2.5)
+    with pytest.raises(TypeError, match=r"seed must be an int \(any: taken modulo 2\*\*63\), got float 1.5"):
+        engine.generate([[1]], greedy(2), seed=1.5)
+    with pytest.raises(TypeError, match=r"params must be a SamplingParams, got dict \{'max_new_tokens': 3\}"):
+        engine.add_request([1, 2], {"max_new_tokens": 3})
+    with pytest.raises(TypeError, match="max_num_batched_tokens must be None or an int, got str '64'"):
+        make_engine(model, max_num_batched_tokens="64")
     with pytest.raises(ValueError, match="seed must lie in"):
         engine.add_request([1, 2], greedy(2), seed=-1)
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):

@@ -31,6 +31,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -448,10 +449,18 @@ def test_allocate_fp8_caches_with_scales():
     assert allocate_kv_caches(1, 3, 4, 2, 8, FP8, "cpu")[0][2].item() == 1.0
     assert KVCache.bytes_per_block(2, 16, 2, 8, torch.bfloat16) == 2 * KVCache.bytes_per_block(2, 16, 2, 8, FP8)
     for bad, match in (([(1.0, 1.0)], r"one \(k_scale, v_scale\) pair per cache layer \(2\)"),
-                       ([(1.0, 1.0), (0.0, 1.0)], r"kv_scales\[1\]: k_scale must be a finite float > 0, got 0.0"),
-                       ([(1.0, float("nan")), (1.0, 1.0)], r"kv_scales\[0\]: v_scale must be a finite float > 0")):
+                       ([(1.0, 1.0), (0.0, 1.0)], r"kv_scales\[1\]: k_scale must be finite and > 0, got 0.0"),
+                       ([(1.0, float("nan")), (1.0, 1.0)], r"kv_scales\[0\]: v_scale must be finite and > 0")):
         with pytest.raises(ValueError, match=match):
             allocate_kv_caches(2, 3, 4, 2, 8, FP8, "cpu", kv_scales=bad)
+    for bad, match in (([1.0, 1.0], r"kv_scales must be a sequence of \(k_scale, v_scale\) pairs"),
+                       ([(1.0, "2"), (1.0, 1.0)], r"kv_scales\[0\]: v_scale must be a real number, got str '2'")):
+        with pytest.raises(TypeError, match=match):
+            allocate_kv_caches(2, 3, 4, 2, 8, FP8, "cpu", kv_scales=bad)
+    with pytest.raises(ValueError, match="one \\(k_scale, v_scale\\) pair per cache layer"):  # before 2**40 blocks
+        allocate_kv_caches(2, 2**40, 4, 2, 8, FP8, "cpu", kv_scales=[(1.0, 1.0)])
+    numpy_scales = allocate_kv_caches(1, 3, 4, 2, 8, FP8, "cpu", kv_scales=[(np.float32(0.5), 2)])
+    assert (numpy_scales[0][2].item(), numpy_scales[0][3].item()) == (0.5, 2.0)
     with pytest.raises(ValueError, match=r"kv_scales apply to an fp8 .* the cache dtype is torch.float32"):
         allocate_kv_caches(2, 3, 4, 2, 8, torch.float32, "cpu", kv_scales=[(1.0, 1.0)] * 2)
 
@@ -583,7 +592,7 @@ def test_engine_kv_cache_dtype_errors():
         Engine(model, compile=False, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match=r"kv_scales apply to an fp8"):
         Engine(model, compile=False, kv_scales=[(1.0, 1.0)] * 2)
-    with pytest.raises(ValueError, match=r"kv_scales\[1\]: v_scale must be a finite float > 0, got -2.0"):
+    with pytest.raises(ValueError, match=r"kv_scales\[1\]: v_scale must be finite and > 0, got -2.0"):
         Engine(model, compile=False, kv_cache_dtype="fp8", kv_scales=[(1.0, 1.0), (1.0, -2.0)])
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         calibrate_kv_scales(model, [[1, 2], []])
