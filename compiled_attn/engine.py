@@ -365,7 +365,8 @@ class Engine:
         blocks (plus one each for a copy-on-write). So the step admits a request, and it
         preempts no running one (none is queued with a stand-in token)."""
         return (self._inflight_rows_go_on()
-                and self.scheduler.can_admit(reserved_blocks=self.scheduler.next_decode_blocks() + len(self.scheduler.running)))
+                and self.scheduler.can_admit(
+                    reserved_blocks=self.scheduler.next_decode_blocks() + len(self.scheduler.running)))
 
     def _run_chunks_behind(self) -> list[Request]:
         """A mixed step launched behind the in-flight decode step (vLLM's async scheduling

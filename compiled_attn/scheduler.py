@@ -140,7 +140,7 @@ class Scheduler:
         max_model_len: longest sequence (blocks are never allocated past it).
 
     Raises:
-        ValueError: a bad ``max_num_batched_tokens`` (:func:`check_token_budget`).
+        TypeError, ValueError: a bad ``max_num_batched_tokens`` (:func:`check_token_budget`).
     """
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int | None,

@@ -20,7 +20,8 @@ def fits(engine: Engine, num_seqs: int, prompt_len: int, new_tokens: int) -> boo
     """Whether ``num_seqs`` requests of ``prompt_len + new_tokens`` tokens fit ``engine``
     at once, whole and without preemption."""
     return (num_seqs <= engine.max_num_seqs and prompt_len + new_tokens <= engine.max_model_len
-            and num_seqs * engine.scheduler.blocks_reserved(prompt_len, new_tokens) <= engine.kv_cache.allocator.num_blocks)
+            and num_seqs * engine.scheduler.blocks_reserved(prompt_len, new_tokens)
+            <= engine.kv_cache.allocator.num_blocks)
 
 
 def warmup_batches(engine: Engine) -> list[tuple[int, int, int, bool]]:
