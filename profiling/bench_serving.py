@@ -24,6 +24,7 @@ engine's default scales (1.0; the kernels' time does not depend on them). Append
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -195,6 +196,7 @@ def main() -> None:
         rows += long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, args.seed)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     kv = "" if args.kv_cache_dtype == "auto" else ", fp8 KV cache"
+    rows = [dataclasses.replace(row, case=row.case + kv) for row in rows]  # (the jsonl has no title)
     print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
                                                             f"({'bf16' if cuda else 'fp32'}{kv}), {device}"))
 
