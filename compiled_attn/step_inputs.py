@@ -28,7 +28,7 @@ from .ops import PAD_SLOT_ID
 def write_buffers(owner, columns: dict[str, list], block_tables: Sequence[Sequence[int]]) -> None:
     """Copy host ``columns`` (attribute name -> values) into the leading entries of
     ``owner``'s device buffers of those names, and ``block_tables`` into the top-left corner
-    of ``owner.block_table`` (:func:`block_table_rows`): the static buffers of a decode or
+    of ``owner.block_table`` (:func:`~compiled_attn.metadata.block_table_rows`): the buffers of a decode or
     mixed step (:class:`DecodeBuffers`, :class:`MixedBuffers`), written by
     non-blocking copies. Empty columns are left as they are."""
     for name, values in columns.items():

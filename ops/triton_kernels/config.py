@@ -124,7 +124,7 @@ def fp8_decode_tiles(tiles: TileConfig, token_bytes: int, group_pad: int, head_s
     Plain tiles of ``group_pad >= 4`` and ``head_size_pad <= 128`` are held to
     ``FP8_DECODE_REGISTERS`` (Triton's ``maxnreg``): with the split strides specialized
     (``attention.split_strides``) ptxas gives the plain D 128 kernel 182 registers, 2
-    programs a multiprocessor (H200: 2.91 TB/s against 3.15 at 168). ptxas, 2026-12-01:
+    programs a multiprocessor (H200, B=64 ctx 8k: 2.91 TB/s against 3.06 at 168). ptxas, 2026-12-01:
     no spill at 168 for group 4 and 16 at D 128, D 64 and D 96; spills for group 1 and 2
     and D 256 (their uncapped counts, 200-233, keep 2 programs either way)."""
     doubled = 2 * tiles.tile_n
