@@ -50,6 +50,11 @@ __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings
 DEFAULT_CACHE_TOKENS = 65536
 """Cap of the default KV-cache size, in tokens."""
 
+LAUNCH_LEAD_SECONDS = 3e-4
+"""``step(wait=False)``: the next decode step is queued behind the one in flight once that
+one is expected to end within this many seconds (more than a decode launch's host time), so
+the device does not wait for the launch."""
+
 
 @contextmanager
 def engine_mode():
@@ -78,7 +83,8 @@ class Timings:
     (``decode_tokens``: a token sampled past an EOS is dropped, not counted);
     ``decode_seconds`` is the wall time spent launching decode steps and reading their tokens.
     ``behind_steps``: mixed steps launched behind a decode step in flight (they admitted
-    requests while others decoded).
+    requests while others decoded). ``idle_polls``: ``step(wait=False)`` calls that
+    returned at once, the step in flight not near its end.
     """
 
     prefill_tokens: int = 0
@@ -88,6 +94,7 @@ class Timings:
     decode_steps: int = 0
     overlapped_steps: int = 0
     behind_steps: int = 0
+    idle_polls: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -211,6 +218,7 @@ class Engine:
         self.timings = Timings()
         self._ids = itertools.count()
         self._inflight: InflightStep | None = None  # the last decode step, until its tokens are read
+        self._decode_device_seconds = 0.0  # the last decode step's, on the device (CUDA events)
         tp = getattr(model, "tp", None)  # tensor parallelism: rank 0's requests on every rank
         self._sync = RequestSync(tp) if tp is not None and tp.world_size > 1 else None
         if self._sync is not None:
@@ -300,8 +308,15 @@ class Engine:
     # --- steps ------------------------------------------------------------------------
 
     @engine_mode()
-    def step(self) -> list[Request]:
+    def step(self, wait: bool = True) -> list[Request]:
         """Run one step; returns the requests that finished in it (their last token was read).
+
+        ``wait=False`` (a serving loop that polls, adding requests as they arrive): while
+        the decode step in flight is expected to run for more than
+        :data:`LAUNCH_LEAD_SECONDS` and no waiting request can be launched behind it, return
+        ``[]`` at once and launch nothing. The next decode step is then queued only near the
+        end of the one in flight, so a request that arrives meanwhile is prefilled right
+        after it, not after one more decode step (:meth:`_too_early`).
 
         It runs in :func:`engine_mode` whatever the caller's mode (``inference_mode``,
         ``no_grad`` or neither), so the compiled model and sampler see the same kind of
@@ -321,6 +336,11 @@ class Engine:
         first queues the requests rank 0 added since its last step
         (:mod:`compiled_attn.request_sync`).
         """
+        if not wait and self._sync is not None:
+            raise ValueError("step(wait=False) runs without tensor parallelism (every rank steps in lock-step)")
+        if not wait and self._too_early():
+            self.timings.idle_polls += 1
+            return []
         if self._sync is not None:  # rank 0's new requests, before anything is decided
             with record_function("request_sync"):
                 for request in self._sync.exchange():
@@ -356,6 +376,20 @@ class Engine:
         else:
             finished += self._run_chunks(chunks)
         return finished
+
+    def _too_early(self) -> bool:
+        """``step(wait=False)``: a decode step is in flight, its tokens are not ready, no
+        waiting request can be launched behind it, and it has not started on the device or
+        is expected to run for more than :data:`LAUNCH_LEAD_SECONDS` still (its device time
+        taken as the last decode step's, measured by CUDA events; until one is measured,
+        never)."""
+        inflight = self._inflight
+        if inflight is None or inflight.ready() or self._can_launch_behind():
+            return False
+        started = inflight.started()
+        if started is None:
+            return inflight.start is not None  # queued behind earlier work
+        return time.perf_counter() - started < self._decode_device_seconds - LAUNCH_LEAD_SECONDS
 
     def _can_launch_behind(self) -> bool:
         """Whether a mixed step can be launched behind the in-flight decode step, before its
@@ -476,7 +510,9 @@ class Engine:
         """
         inflight, self._inflight = self._inflight, None
         finished = []
-        for request, token in zip(inflight.requests, inflight.read()):
+        tokens = inflight.read()
+        self._decode_device_seconds = inflight.device_seconds() or self._decode_device_seconds
+        for request, token in zip(inflight.requests, tokens):
             if request.finish_reason is None:
                 self.timings.decode_tokens += 1
                 if inflight.stand_ins:  # counted computed at the launch behind it (_run_chunks_behind)

@@ -15,6 +15,7 @@ Two kinds of step (see :mod:`compiled_attn.scheduler` for what a chunk is):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,18 +44,36 @@ class InflightStep:
         device_tokens: the same tokens where the step left them (int64 ``[rows]``), for a
             step launched behind this one to read on the device (valid until the next
             decode step).
+        start: recorded on the stream just before the step (CUDA; ``None`` on the CPU):
+            ``start`` to ``event`` times the step on the device, and ``start`` completes
+            when the device begins it.
         stand_ins: its rows' output ends in a stand-in for its token, which the read
             replaces (set by the engine when it launches a mixed step behind this one).
+        started_at: host ``time.perf_counter()`` when ``start`` was first seen complete
+            (:meth:`started`), else ``None``.
     """
 
     requests: list[Request]
     tokens: torch.Tensor
     event: torch.cuda.Event | None
     device_tokens: torch.Tensor
+    start: torch.cuda.Event | None = None
     stand_ins: bool = False
+    started_at: float | None = None
+
+    @staticmethod
+    def mark_start(device: torch.device) -> torch.cuda.Event | None:
+        """An event recorded now on the current stream of a CUDA ``device`` (a step's
+        ``start``, before it is launched); ``None`` for the CPU."""
+        if device.type != "cuda":
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
 
     @classmethod
-    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> "InflightStep":
+    def launch(cls, requests: list[Request], tokens: torch.Tensor,
+               start: torch.cuda.Event | None = None) -> "InflightStep":
         """Start copying the just-launched step's ``tokens`` to the host.
 
         The copy is enqueued on the stream behind the step and ahead of the next one, so it
@@ -65,9 +84,26 @@ class InflightStep:
             return cls(requests, tokens, None, tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=start is not None)
         event.record()
-        return cls(requests, host, event, tokens)
+        return cls(requests, host, event, tokens, start)
+
+    def ready(self) -> bool:
+        """Whether :meth:`read` would return at once (always on the CPU)."""
+        return self.event is None or self.event.query()
+
+    def started(self) -> float | None:
+        """Host time at which the device was first seen running the step (``None``: not
+        yet, or no ``start`` event); the first call that sees ``start`` complete sets it."""
+        if self.started_at is None and self.start is not None and self.start.query():
+            self.started_at = time.perf_counter()
+        return self.started_at
+
+    def device_seconds(self) -> float | None:
+        """Device seconds from ``start`` to ``event``, once both completed; else ``None``."""
+        if self.start is None or not self.event.query():
+            return None
+        return self.start.elapsed_time(self.event) / 1e3
 
     def read(self) -> list[int]:
         """The tokens, once the copy (and so the step) has finished on the device."""
@@ -188,12 +224,13 @@ class ModelRunner:
                     self.buffers.set_block(row, index, table[index])
         self._blocks_written = [len(table) for table in tables]
         greedy = all(r.params.temperature == 0 for r in requests)
+        start = InflightStep.mark_start(self.device)
         if size is not None:
             with record_function("replay"):
                 tokens = self.graph_runner.replay(size, greedy)[:rows]
         else:
             tokens = decode_step(self.forward, self.kv_cache.layers, self.buffers, rows, self.sampler, greedy)
-        return InflightStep.launch(requests, tokens)
+        return InflightStep.launch(requests, tokens, start)
 
     def capture(self) -> CaptureStats:
         """Capture the decode step for every capture size (done once, before the first

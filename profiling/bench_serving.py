@@ -15,10 +15,13 @@ engine features off and on, on the same traffic:
 
 The model is the bench's ~1.1 B DiffLlama on CUDA and ``random_model_config()`` on the CPU
 (random weights, greedy). ``--kv-cache-dtype fp8`` serves from an fp8 KV cache with the
-engine's default scales (1.0; the kernels' time does not depend on them). Appends to
-``<results-dir>/serving.md`` and ``serving.jsonl``.
+engine's default scales (1.0; the kernels' time does not depend on them). ``--poll`` steps
+the engine as a polling serving loop (``Engine.step(wait=False)``): a request that arrives
+while a decode step runs is then prefilled right after that step, not after the next one.
+Appends to ``<results-dir>/serving.md`` and ``serving.jsonl``.
 
-    python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8] [--kv-cache-dtype fp8] [--profile DIR]
+    python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8] [--kv-cache-dtype fp8] [--poll]
+                                      [--profile DIR]
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def traffic(n: int, rate: float, vocab: int, seed: int, system: list[int], mean_
     return arrivals
 
 
-def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, int]:
+def serve(engine: Engine, arrivals, on_step=None, poll: bool = False) -> tuple[list[dict], float, int]:
     """Step ``engine`` over ``arrivals`` in wall time (``on_step()`` after every step, e.g. a
-    profiler's). Returns one record per request (``prompt``, ``ttft`` and ``tpot`` in seconds,
-    ``tpot`` ``None`` for a single token), the wall seconds and the tokens generated; prints
-    the median wall time of steps that prefilled (mixed steps) and of decode steps."""
+    profiler's; ``poll``: ``step(wait=False)``, which returns at once while the decode step
+    in flight is far from its end, so arrivals are added as they come). Returns one record
+    per request (``prompt``, ``ttft`` and ``tpot`` in seconds, ``tpot`` ``None`` for a single
+    token), the wall seconds and the tokens generated; prints the median wall time of steps
+    that prefilled (mixed steps) and of decode steps (polls that ran nothing left out)."""
     start, pending, live = time.perf_counter(), list(arrivals), []
     step_ms = {"mixed": [], "decode": []}
     calls_ms = _time_calls(engine)
@@ -73,8 +78,10 @@ def serve(engine: Engine, arrivals, on_step=None) -> tuple[list[dict], float, in
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
-        prefilled = engine.timings.prefill_tokens
-        engine.step()
+        prefilled, idle = engine.timings.prefill_tokens, engine.timings.idle_polls
+        engine.step(wait=not poll)
+        if engine.timings.idle_polls > idle:
+            continue
         if on_step is not None:
             on_step()
         step_ms["mixed" if engine.timings.prefill_tokens > prefilled else "decode"].append(
@@ -152,6 +159,9 @@ def main() -> None:
                              "(default: 512 cuda, 32 cpu)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV-cache dtype: auto = the model's; fp8 (alias fp8_e4m3) = float8_e4m3fn, scales 1.0")
+    parser.add_argument("--poll", action="store_true",
+                        help="step the engine with step(wait=False) in a polling loop, adding requests as they "
+                             "arrive while a decode step runs (default: blocking steps)")
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, metavar="DIR",
@@ -193,9 +203,9 @@ def main() -> None:
     if "system-prompt" in args.scenarios:
         rows += system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len)
     if "long-prompts" in args.scenarios:
-        rows += long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, args.seed)
+        rows += long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, args.seed, args.poll)
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    kv = "" if args.kv_cache_dtype == "auto" else ", fp8 KV cache"
+    kv = ("" if args.kv_cache_dtype == "auto" else ", fp8 KV cache") + (", polling loop" if args.poll else "")
     rows = [dataclasses.replace(row, case=row.case + kv) for row in rows]  # (the jsonl has no title)
     print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
                                                             f"({'bf16' if cuda else 'fp32'}{kv}), {device}"))
@@ -206,11 +216,11 @@ def system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len) -> lis
     rows = []
     system = [random.Random(args.seed).randrange(vocab) for _ in range(system_len)]
     shared = traffic(n, rate, vocab, args.seed, system, 64, 64, max_len)
-    runs = {caching: serve(engine(enable_prefix_caching=caching), shared) for caching in (False, True)}
+    runs = {caching: serve(engine(enable_prefix_caching=caching), shared, poll=args.poll) for caching in (False, True)}
     if args.profile is not None:  # a third run, traced (writing the trace would stall a timed one)
         traced = engine(enable_prefix_caching=True)  # built (compiled, captured) before the trace starts
         with StepProfiler(args.profile, active=args.profile_steps, record_shapes=True, device=args.device) as profiler:
-            serve(traced, shared, on_step=profiler.step)
+            serve(traced, shared, on_step=profiler.step, poll=args.poll)
     case = f"{n} requests, {rate}/s, shared system prompt {system_len}"
     for name, q in (("p50", 50), ("p99", 99)):
         ttft = {caching: percentile([r["ttft"] for r in records], q) * 1e3 for caching, (records, _, _) in runs.items()}
@@ -222,7 +232,7 @@ def system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len) -> lis
     return rows
 
 
-def long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, seed) -> list[ResultRow]:
+def long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, seed, poll) -> list[ResultRow]:
     """TPOT p50 and p99 of short requests while long prompts arrive, without and with a token
     budget, against the same percentiles of the short requests alone."""
     rows = []
@@ -230,11 +240,11 @@ def long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, seed) ->
     longs = [(t, [random.Random(i).randrange(vocab) for _ in range(long_len)], 4)
              for i, (t, _, _) in enumerate(traffic(max(2, n // 8), rate / 8, vocab, seed + 2, [], 1, 1, max_len))]
     mixed = sorted(short + longs, key=lambda a: a[0])
-    alone, _, _ = serve(engine(enable_prefix_caching=False), short)
+    alone, _, _ = serve(engine(enable_prefix_caching=False), short, poll=poll)
     alone_tpot = [r["tpot"] for r in alone if r["tpot"] is not None]
     short_prompts = {id(prompt) for _, prompt, _ in short}
     for label, kwargs in (("no budget", {}), (f"budget {budget}", {"max_num_batched_tokens": budget})):
-        records, _, _ = serve(engine(enable_prefix_caching=False, **kwargs), mixed)
+        records, _, _ = serve(engine(enable_prefix_caching=False, **kwargs), mixed, poll=poll)
         tpot = [r["tpot"] for r in records if id(r["prompt"]) in short_prompts and r["tpot"] is not None]
         for name, q in (("p50", 50), ("p99", 99)):
             rows.append(ResultRow(f"{n} short requests + {len(longs)} prompts of {long_len}: TPOT {name} of the "

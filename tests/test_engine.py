@@ -228,6 +228,10 @@ def test_type_and_range_errors(model):
         engine.generate([[1.5, 2.7]], greedy(2))
     with pytest.raises(TypeError, match="max_new_tokens must be an int"):
         SamplingParams(max_new_tokens=2.5)
+    engine._sync = object()  # as under tensor parallelism
+    with pytest.raises(ValueError, match=r"step\(wait=False\) runs without tensor parallelism"):
+        engine.step(wait=False)
+    engine._sync = None
     with pytest.raises(TypeError, match=r"seed must be an int \(any: taken modulo 2\*\*63\), got float 1.5"):
         engine.generate([[1]], greedy(2), seed=1.5)
     with pytest.raises(TypeError, match=r"params must be a SamplingParams, got dict \{'max_new_tokens': 3\}"):

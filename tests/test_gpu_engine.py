@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from compiled_attn.engine import Engine, InflightStep
 from compiled_attn.graphs import decode_step
-from compiled_attn.step_inputs import DecodeBuffers
 from compiled_attn.models import DiffLlamaConfig, build_random_model
 from compiled_attn.profiler import StepProfiler, summarize_trace
 from compiled_attn.sampling import SamplingParams
+from compiled_attn.step_inputs import DecodeBuffers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,6 +97,33 @@ def test_admissions_launched_behind_replayed_decode_give_the_tokens_of_a_synchro
     engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=512)
     got = serve(engine)
     assert engine.timings.behind_steps > 5 and engine.timings.overlapped_steps > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from the synchronous eager engine"
+
+
+def test_a_polling_loop_gives_the_tokens_of_a_synchronous_engine():
+    """``step(wait=False)`` in a loop that adds a request every 2 ms of wall time: polls
+    return at once while the replayed decode step in flight is far from its end (its device
+    time measured by CUDA events), admissions are launched behind it, and every request's
+    tokens equal a synchronous eager engine's."""
+    model = _model(3)
+    prompts, params = _workload(24, seed=7)
+
+    def serve(engine: Engine, wait: bool) -> list[list[int]]:
+        """All requests at once (``wait``), else one every 2 ms; outputs do not depend on it."""
+        requests, start = [], time.perf_counter()
+        while len(requests) < len(prompts) or engine.has_unfinished():
+            due = len(prompts) if wait else int((time.perf_counter() - start) / 2e-3) + 1
+            while len(requests) < min(due, len(prompts)):
+                requests.append(engine.add_request(prompts[len(requests)], params[len(requests)]))
+            engine.step(wait=wait)
+        return [r.output_ids for r in requests]
+
+    want = serve(Engine(model, compile=False, cuda_graphs=False, num_blocks=512, async_decode=False), True)
+    engine = Engine(model, compile=True, cuda_graphs=True, max_num_seqs=16, num_blocks=512)
+    got = serve(engine, False)
+    assert engine.timings.idle_polls > 0 and engine.timings.behind_steps > 0, engine.timings
+    assert engine._decode_device_seconds > 0
     mismatched = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
     assert not mismatched, f"requests {mismatched} differ from the synchronous eager engine"
 
