@@ -356,6 +356,7 @@ class Engine:
                 launched = self.runner.launch_decode(list(running), self.scheduler.allocate_decode(1), 1)
                 self.timings.decode_steps += 1
                 finished = self._drain()
+                launched.started()  # it began as the drained one ended: note it before the host moves on
                 self._inflight = launched
             self.timings.overlapped_steps += 1
             return finished
@@ -379,10 +380,11 @@ class Engine:
 
     def _too_early(self) -> bool:
         """``step(wait=False)``: a decode step is in flight, its tokens are not ready, no
-        waiting request can be launched behind it, and it has not started on the device or
-        is expected to run for more than :data:`LAUNCH_LEAD_SECONDS` still (its device time
-        taken as the last decode step's, measured by CUDA events; until one is measured,
-        never)."""
+        waiting request can be launched behind it, and the stream has not reached it yet or
+        it is expected to run for more than :data:`LAUNCH_LEAD_SECONDS` still (its device
+        time taken as the last decode step's, measured by CUDA events; 0 until one is
+        measured, and after the warm-up). The lead is a first guess, not tuned on a GPU: it
+        must exceed the host time of the next decode launch, or the device waits for it."""
         inflight = self._inflight
         if inflight is None or inflight.ready() or self._can_launch_behind():
             return False
@@ -622,6 +624,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         # As if no request had run: request ids (default seeds) from 0, decode buffers to rewrite.
         self.timings, self._ids, self.runner.decode_layout = Timings(), itertools.count(), None
+        self._decode_device_seconds = 0.0  # (warm-up steps compiled while they ran)
         self.scheduler.num_preemptions = 0
         return time.perf_counter() - start
 

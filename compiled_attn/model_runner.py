@@ -45,8 +45,8 @@ class InflightStep:
             step launched behind this one to read on the device (valid until the next
             decode step).
         start: recorded on the stream just before the step (CUDA; ``None`` on the CPU):
-            ``start`` to ``event`` times the step on the device, and ``start`` completes
-            when the device begins it.
+            ``start`` to ``event`` times the step, and ``start`` completes when the stream
+            reaches it (the device was idle before, or the work ahead of it is done).
         stand_ins: its rows' output ends in a stand-in for its token, which the read
             replaces (set by the engine when it launches a mixed step behind this one).
         started_at: host ``time.perf_counter()`` when ``start`` was first seen complete
@@ -68,7 +68,7 @@ class InflightStep:
         if device.type != "cuda":
             return None
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(torch.cuda.current_stream(device))
         return start
 
     @classmethod
@@ -85,7 +85,7 @@ class InflightStep:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event(enable_timing=start is not None)
-        event.record()
+        event.record(torch.cuda.current_stream(tokens.device))
         return cls(requests, host, event, tokens, start)
 
     def ready(self) -> bool:

@@ -65,7 +65,8 @@ def serve(engine: Engine, arrivals, on_step=None, poll: bool = False) -> tuple[l
     in flight is far from its end, so arrivals are added as they come). Returns one record
     per request (``prompt``, ``ttft`` and ``tpot`` in seconds, ``tpot`` ``None`` for a single
     token), the wall seconds and the tokens generated; prints the median wall time of steps
-    that prefilled (mixed steps) and of decode steps (polls that ran nothing left out)."""
+    that prefilled (mixed steps) and of decode steps (polls that ran nothing left out: under
+    ``poll`` a step's time is then only the blocking tail of a poll, not the step period)."""
     start, pending, live = time.perf_counter(), list(arrivals), []
     step_ms = {"mixed": [], "decode": []}
     calls_ms = _time_calls(engine)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import compiled_attn.engine as engine_module
 from compiled_attn.engine import Engine, InflightStep
 from compiled_attn.graphs import decode_step
 from compiled_attn.models import DiffLlamaConfig, build_random_model
@@ -101,11 +102,13 @@ def test_admissions_launched_behind_replayed_decode_give_the_tokens_of_a_synchro
     assert not mismatched, f"requests {mismatched} differ from the synchronous eager engine"
 
 
-def test_a_polling_loop_gives_the_tokens_of_a_synchronous_engine():
+def test_a_polling_loop_gives_the_tokens_of_a_synchronous_engine(monkeypatch):
     """``step(wait=False)`` in a loop that adds a request every 2 ms of wall time: polls
     return at once while the replayed decode step in flight is far from its end (its device
-    time measured by CUDA events), admissions are launched behind it, and every request's
-    tokens equal a synchronous eager engine's."""
+    time measured by CUDA events; no lead, as this small model's step may take less than
+    ``LAUNCH_LEAD_SECONDS``), admissions are launched behind it, and every request's tokens
+    equal a synchronous eager engine's."""
+    monkeypatch.setattr(engine_module, "LAUNCH_LEAD_SECONDS", 0.0)
     model = _model(3)
     prompts, params = _workload(24, seed=7)
 
