@@ -43,6 +43,7 @@ from .ops.arith import cdiv
 from .request_sync import RequestSync
 from .sampling import SamplingParams, check_seed, sample
 from .scheduler import Chunk, Request, Scheduler, check_token_budget
+from .tokenizer import check_token_ids
 from .warmup import warmup_batches
 
 __all__ = ["DEFAULT_CACHE_TOKENS", "Engine", "InflightStep", "Request", "Timings", "engine_mode"]
@@ -287,12 +288,7 @@ class Engine:
         return request
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams, name: str) -> None:
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError(f"{name} is empty; every prompt needs >= 1 token")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"{name} has token ids outside [0, {vocab}) (first: {bad})")
+        check_token_ids(prompt, self.model.config.vocab_size, name)
         if len(prompt) + params.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"{name} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "

@@ -32,6 +32,7 @@ from .block_allocator import BlockAllocator, OutOfBlocksError
 from .distributed import all_reduce_max
 from .ops.arith import cdiv
 from .ops.validation import FP8_DTYPE, FP8_MAX
+from .tokenizer import check_token_ids
 
 __all__ = ["KV_CACHE_DTYPES", "BlockAllocator", "KVCache", "OutOfBlocksError", "allocate_kv_caches",
            "calibrate_kv_scales", "resolve_kv_cache_dtype"]
@@ -147,13 +148,8 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         raise TypeError(f"prompts must be lists of integer token ids, got {prompts!r:.120}") from None
     if not prompts:
         raise ValueError("prompts must hold at least one prompt")
-    vocab = model.config.vocab_size
     for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs >= 1 token")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}) (first: {bad})")
+        check_token_ids(prompt, model.config.vocab_size, f"prompts[{i}]")
     for name, value in (("k_range", k_range), ("v_range", v_range)):
         if not 0 < value <= FP8_MAX:
             raise ValueError(f"{name} must lie in (0, {FP8_MAX:g}], got {value}")

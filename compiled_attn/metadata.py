@@ -124,6 +124,12 @@ def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory() if torch.device(device).type == "cuda" else host
 
 
+def column_to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` as a 1-D ``dtype`` tensor on ``device``, by a non-blocking copy from
+    page-locked memory (:func:`pinned`)."""
+    return pinned(torch.tensor(values, dtype=dtype), device).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PackedChunks:
     """Host lists of one step's metadata (:func:`pack_chunks`), field names as
@@ -150,7 +156,7 @@ class PackedChunks:
     def to_device(self, device: torch.device | str) -> AttentionMetadata:
         """The :class:`AttentionMetadata` of these lists on ``device``."""
         def tensor(values, dtype):
-            return pinned(torch.tensor(values, dtype=dtype), device).to(device, non_blocking=True)
+            return column_to_device(values, dtype, device)
 
         rows = block_table_rows(self.block_table)
         table = torch.zeros((self.num_seqs, self.max_blocks_per_seq), dtype=torch.int32)
@@ -231,4 +237,4 @@ def build_metadata(
 
 
 __all__ = ["AttentionMetadata", "PAD_SLOT_ID", "PackedChunks", "SequenceChunk", "block_table_rows", "build_metadata",
-           "pack_chunks", "pinned"]
+           "column_to_device", "pack_chunks", "pinned"]

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 
 from .graphs import CaptureStats, CUDAGraphRunner, decode_step
 from .kv_cache import KVCache
-from .metadata import SequenceChunk, pack_chunks, pinned
+from .metadata import SequenceChunk, column_to_device, pack_chunks
 from .mixed_graphs import mixed_step
 from .ops import copy_blocks
 from .scheduler import Chunk, Request
@@ -176,7 +176,7 @@ class ModelRunner:
                  if self.mixed_graphs is not None else None)
 
         def column(values, dtype):
-            return pinned(torch.tensor(values, dtype=dtype), self.device).to(self.device, non_blocking=True)
+            return column_to_device(values, dtype, self.device)
 
         def feed_inputs(input_ids: torch.Tensor) -> None:
             if feed is not None:

@@ -183,8 +183,7 @@ class Scheduler:
             else:
                 chunks.append(Chunk(request, count))
                 budget -= count
-        while self.waiting and not preempted and budget > 0 and \
-                self._slots() + self._rows(self.waiting[0]) <= self.max_num_seqs:
+        while self.waiting and not preempted and budget > 0 and self._has_slot(self.waiting[0]):
             request = self.waiting[0]
             request.num_computed = request.num_cached = self.allocator.allocate_prefix(
                 request.request_id, request.token_ids(0, request.num_tokens))
@@ -202,6 +201,10 @@ class Scheduler:
         """Running slots taken (``max_num_seqs`` bounds them)."""
         return sum(self._rows(r) for r in self.running)
 
+    def _has_slot(self, request: Request) -> bool:
+        """Whether the waiting ``request`` (its samples included) fits beside the running ones."""
+        return self._slots() + self._rows(request) <= self.max_num_seqs
+
     @staticmethod
     def _rows(request: Request) -> int:
         """Running slots ``request`` takes once admitted: its ``n`` samples before they fork."""
@@ -212,7 +215,7 @@ class Scheduler:
         running slot (the budget, at least ``max_num_seqs``, then has a token left after one
         for each running request), and the blocks of its first chunk among the free ones
         but ``reserved_blocks`` (set aside for the running requests' growth)."""
-        if not self.waiting or self._slots() + self._rows(self.waiting[0]) > self.max_num_seqs:
+        if not self.waiting or not self._has_slot(self.waiting[0]):
             return False
         request = self.waiting[0]
         count = min(request.num_tokens, self.max_num_batched_tokens or request.num_tokens)

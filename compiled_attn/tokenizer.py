@@ -6,6 +6,20 @@ from pathlib import Path
 from typing import Protocol
 
 
+def check_token_ids(prompt: list[int], vocab_size: int, name: str) -> None:
+    """A prompt's integer token ids must be at least one and lie in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: an empty ``prompt`` or an id outside the vocabulary (the first one
+            named); ``name`` says which prompt.
+    """
+    if not prompt:
+        raise ValueError(f"{name} is empty; every prompt needs >= 1 token")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size}) (first: {bad})")
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
