@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -46,9 +46,18 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """SHA-256 of a full block's parent hash (``None`` for the first block) and its token
     ids: equal digests mean equal prefixes (a collision of Python's ``hash`` would reuse
     another prompt's K/V; vLLM moved to SHA-256 for that reason, CVE-2025-25183)."""
-    digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+    return next(block_hashes(parent, token_ids, len(token_ids)))
+
+
+def block_hashes(parent: bytes | None, token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
+    """The chained :func:`block_hash` digests of the full blocks of ``token_ids`` (whose
+    first block follows ``parent``), lazily; the ids become bytes once, not per block."""
+    data, step = memoryview(array("q", token_ids).tobytes()), 8 * block_size
+    for start in range(0, len(token_ids) // block_size * step, step):
+        digest = hashlib.sha256(parent or b"")
+        digest.update(data[start:start + step])
+        parent = digest.digest()
+        yield parent
 
 
 class BlockAllocator:
@@ -131,9 +140,8 @@ class BlockAllocator:
         """
         if not self.prefix_caching or seq_id in self.block_tables:
             return 0
-        table, hashes, parent = [], [], None
-        for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % self.block_size, self.block_size):
-            parent = block_hash(parent, token_ids[start:start + self.block_size])
+        table, hashes = [], []
+        for parent in block_hashes(None, token_ids[:-1], self.block_size):
             block = self._block_of.get(parent)
             if block is None:
                 break
@@ -154,9 +162,9 @@ class BlockAllocator:
             return
         table, hashes = self.block_tables[seq_id], self._hashes.setdefault(seq_id, [])
         full = min(num_computed, len(token_ids)) // self.block_size
-        for index in range(len(hashes), full):
-            parent = hashes[-1] if hashes else None
-            digest = block_hash(parent, token_ids[index * self.block_size:(index + 1) * self.block_size])
+        new = token_ids[len(hashes) * self.block_size: full * self.block_size]
+        for index, digest in enumerate(block_hashes(hashes[-1] if hashes else None, new, self.block_size),
+                                       len(hashes)):
             hashes.append(digest)
             block = table[index]
             if digest not in self._block_of and block not in self._hash_of:

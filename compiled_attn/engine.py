@@ -256,7 +256,7 @@ class Engine:
             OutOfBlocksError: the request alone needs more blocks than the cache has.
         """
         try:
-            prompt = [operator.index(t) for t in prompt_ids]
+            prompt = list(map(operator.index, prompt_ids))
         except TypeError:
             raise TypeError(f"{name} must hold integer token ids, got {list(prompt_ids)[:8]}") from None
         if not isinstance(params, SamplingParams):
@@ -334,7 +334,8 @@ class Engine:
         """
         if not wait and self._sync is not None:
             raise ValueError("step(wait=False) runs without tensor parallelism (every rank steps in lock-step)")
-        if not wait and self._too_early():
+        behind = self._sync is None and self._can_launch_behind()
+        if not wait and not behind and self._too_early():
             self.timings.idle_polls += 1
             return []
         if self._sync is not None:  # rank 0's new requests, before anything is decided
@@ -344,8 +345,9 @@ class Engine:
                     self._ids = itertools.count(max(request.request_id + request.params.n, next(self._ids)))
             if self._sync.stopped:
                 return []
+            behind = self._can_launch_behind()
         running = self.scheduler.running
-        if self._can_launch_behind():
+        if behind:
             return self._run_chunks_behind()
         if self._can_overlap():
             with self._decode_phase():
@@ -375,14 +377,17 @@ class Engine:
         return finished
 
     def _too_early(self) -> bool:
-        """``step(wait=False)``: a decode step is in flight, its tokens are not ready, no
-        waiting request can be launched behind it, and the stream has not reached it yet or
-        it is expected to run for more than :data:`LAUNCH_LEAD_SECONDS` still (its device
-        time taken as the last decode step's, measured by CUDA events; 0 until one is
-        measured, and after the warm-up). The lead is a first guess, not tuned on a GPU: it
-        must exceed the host time of the next decode launch, or the device waits for it."""
+        """``step(wait=False)`` with no waiting request to launch behind the decode step in
+        flight (the caller checks): that step's tokens are not ready, and the stream has
+        not reached it yet or it is expected to run for more than
+        :data:`LAUNCH_LEAD_SECONDS` still (its device time taken as the last decode step's,
+        measured by CUDA events; 0 until one is measured, and after the warm-up). The lead
+        must exceed the host time of the next decode launch (0.08-0.13 ms median on the
+        H200's host), or the device waits for it; leads of 120, 150 and 300 us gave TTFT
+        p50 3.67, 3.57 and 3.47-3.51 ms in ``profiling/bench_serving.py --poll`` (one run
+        each, 2026-12-01; ``profiling/results/serving.md``)."""
         inflight = self._inflight
-        if inflight is None or inflight.ready() or self._can_launch_behind():
+        if inflight is None or inflight.ready():
             return False
         started = inflight.started()
         if started is None:

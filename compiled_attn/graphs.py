@@ -118,6 +118,7 @@ class CUDAGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.step(size, greedy)
+                graph.replay()  # its first launch uploads it: here, not in a request's step
             except torch.OutOfMemoryError as err:
                 raise RuntimeError(
                     f"CUDA-graph capture of size {size} ran out of memory; lower the largest "

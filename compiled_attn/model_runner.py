@@ -168,7 +168,7 @@ class ModelRunner:
         packed = pack_chunks(
             [SequenceChunk(c.request.token_ids(c.request.num_computed, c.request.num_computed + c.num_tokens),
                            c.request.num_computed, allocator.block_tables[c.request.request_id]) for c in chunks],
-            self.kv_cache.block_size, self.max_blocks_per_seq, allocator.num_blocks)
+            self.kv_cache.block_size, self.max_blocks_per_seq)  # (the allocator's ids: no range check per step)
         self.decode_layout = None  # the decode buffers no longer hold the rows' device state
         draws = [(i, r.params.temperature, r.params.top_p, r.seed, chunks[i].request.num_computed + chunks[i].num_tokens)
                  for i, r in (draws or [(i, c.request) for i, c in enumerate(chunks)])]
@@ -178,20 +178,19 @@ class ModelRunner:
         def column(values, dtype):
             return column_to_device(values, dtype, self.device)
 
-        def feed_inputs(input_ids: torch.Tensor) -> None:
-            if feed is not None:
-                tokens, pairs = feed
-                index = column([packed.cu_seqlens_q[chunk] for chunk, _ in pairs], torch.int64)
-                input_ids.index_copy_(0, index, tokens.index_select(0, column([row for _, row in pairs], torch.int64)))
-
         if shape is not None:
             greedy = all(temperature == 0 for _, temperature, *_ in draws)
-            self.mixed_buffers.write(packed, shape, draws, greedy)
-            feed_inputs(self.mixed_buffers.input_ids)
+            pairs = feed[1] if feed is not None else []
+            self.mixed_buffers.write(packed, shape, draws, greedy, pairs)
+            if pairs:
+                self.mixed_buffers.feed(feed[0], len(pairs))
             with record_function("replay"):
                 return self.mixed_graphs.replay(shape, greedy)[: len(draws)]
         md = packed.to_device(self.device)
-        feed_inputs(md.input_ids)
+        if feed is not None:
+            tokens, pairs = feed
+            index = column([packed.cu_seqlens_q[chunk] for chunk, _ in pairs], torch.int64)
+            md.input_ids.index_copy_(0, index, tokens.index_select(0, column([row for _, row in pairs], torch.int64)))
         if self.paged_prefill:
             md.prefill_only = False
 

@@ -35,7 +35,7 @@ from .sampling import SamplingParams, sample_seed
 from .step_inputs import DecodeRow
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (`in running`, `remove`): field equality walked the prompts
 class Request:
     """One generation request and its result so far.
 

@@ -15,8 +15,8 @@ def check_token_ids(prompt: list[int], vocab_size: int, name: str) -> None:
     """
     if not prompt:
         raise ValueError(f"{name} is empty; every prompt needs >= 1 token")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(prompt) < 0 or max(prompt) >= vocab_size:  # (the builtins: a prompt's ids in C, not Python)
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise ValueError(f"{name} has token ids outside [0, {vocab_size}) (first: {bad})")
 
 

@@ -35,6 +35,7 @@ import time
 import torch
 
 from compiled_attn.benchmark import BENCH_CONFIG
+from compiled_attn import engine as engine_module
 from compiled_attn.engine import Engine
 from compiled_attn.kv_cache import KV_CACHE_DTYPES
 from compiled_attn.models import build_random_model, random_model_config
@@ -66,27 +67,39 @@ def serve(engine: Engine, arrivals, on_step=None, poll: bool = False) -> tuple[l
     per request (``prompt``, ``ttft`` and ``tpot`` in seconds, ``tpot`` ``None`` for a single
     token), the wall seconds and the tokens generated; prints the median wall time of steps
     that prefilled (mixed steps) and of decode steps (polls that ran nothing left out: under
-    ``poll`` a step's time is then only the blocking tail of a poll, not the step period)."""
+    ``poll`` a step's time is then only the blocking tail of a poll, not the step period),
+    and of the parts of a request's wait for its first token: from its arrival to its
+    ``add_request``, and in the step that prefills it from the step's start to the mixed
+    launch, the launch's host time, and from the launch to the step's end (its tokens read)."""
     start, pending, live = time.perf_counter(), list(arrivals), []
     step_ms = {"mixed": [], "decode": []}
-    calls_ms = _time_calls(engine)
+    admit_ms = {"arrival to add_request": [], "step to launch": [], "launch (host)": [], "launch to tokens": []}
+    calls_ms, settle, launch = _time_calls(engine)
     variants, graphs = compiled_variants(), engine.compile_stats.graphs_compiled
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             arrival, prompt, new_tokens = pending.pop(0)
             live.append((arrival, prompt, engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)), []))
+            admit_ms["arrival to add_request"].append((time.perf_counter() - start - arrival) * 1e3)
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
         prefilled, idle = engine.timings.prefill_tokens, engine.timings.idle_polls
+        began = time.perf_counter()
         engine.step(wait=not poll)
+        ended = time.perf_counter()
         if engine.timings.idle_polls > idle:
             continue
+        settle()
         if on_step is not None:
             on_step()
-        step_ms["mixed" if engine.timings.prefill_tokens > prefilled else "decode"].append(
-            (time.perf_counter() - start - now) * 1e3)
+        mixed = engine.timings.prefill_tokens > prefilled
+        step_ms["mixed" if mixed else "decode"].append((ended - start - now) * 1e3)
+        if mixed:
+            for part, ms in zip(admit_ms.values(), (None, launch[0] - began, launch[1] - launch[0], ended - launch[1])):
+                if ms is not None:
+                    part.append(ms * 1e3)
         now = time.perf_counter() - start
         for _, _, request, stamps in live:
             stamps.extend([now] * (len(request.output_ids) - len(stamps)))
@@ -98,7 +111,7 @@ def serve(engine: Engine, arrivals, on_step=None, poll: bool = False) -> tuple[l
     steps = ", ".join(f"{len(ms)} {kind} steps, median {statistics.median(ms):.2f} ms"
                       for kind, ms in step_ms.items() if ms)
     steps += "; median ms of " + ", ".join(f"{name} {statistics.median(ms):.2f} ({len(ms)}x)"
-                                       for name, ms in calls_ms.items() if ms)
+                                       for name, ms in {**admit_ms, **calls_ms}.items() if ms)
     mixed = engine.runner.mixed_capture_stats
     print(f"engine warm-up {engine.warmup_seconds:.1f} s ({len(mixed.sizes) if mixed else 0} mixed-step graphs "
           f"captured in {mixed.seconds if mixed else 0:.1f} s); "
@@ -109,12 +122,14 @@ def serve(engine: Engine, arrivals, on_step=None, poll: bool = False) -> tuple[l
     return records, seconds, tokens
 
 
-def _time_calls(engine: Engine) -> dict[str, list[float]]:
-    """Wrap the parts of a mixed step (the in-flight decode read, scheduling, the runner's
-    step, its mixed-buffer writes) to record each call's wall milliseconds, and on CUDA a
-    mixed-step graph replay's device milliseconds per ``(tokens, seqs)`` shape (CUDA events
-    around it; waiting for the end event moves the step's wait from its readback here)."""
-    calls_ms = {}
+def _time_calls(engine: Engine):
+    """Wrap the parts of a step (the in-flight decode read, scheduling, the runner's mixed
+    and decode launches, the mixed-buffer writes) to record each call's wall milliseconds,
+    and on CUDA a mixed-step graph replay's device milliseconds per ``(tokens, seqs)`` shape
+    (CUDA events around it, read after the step: the timing adds no wait). Returns
+    ``(calls_ms, settle, launch)``: ``settle()`` (after each step) reads the replays'
+    events; ``launch`` holds the host times the last ``launch_chunks`` began and ended."""
+    calls_ms, pending, launch = {}, [], [0.0, 0.0]
     graphs = engine.runner.mixed_graphs
     if graphs is not None and torch.cuda.is_available():
         def replay(shape, greedy=False, _fn=graphs.replay):
@@ -122,26 +137,35 @@ def _time_calls(engine: Engine) -> dict[str, list[float]]:
             begin.record()
             tokens = _fn(shape, greedy)
             end.record()
-            end.synchronize()
-            calls_ms.setdefault(f"replay {shape[0]}x{shape[1]} (device)", []).append(begin.elapsed_time(end))
+            pending.append((f"replay {shape[0]}x{shape[1]} (device)", begin, end))
             return tokens
 
         graphs.replay = replay
+
+    def settle() -> None:
+        for name, begin, end in pending:
+            end.synchronize()
+            calls_ms.setdefault(name, []).append(begin.elapsed_time(end))
+        pending.clear()
+
     parts = {"drain": (engine, "_drain"), "schedule": (engine.scheduler, "schedule"),
-             "launch_chunks": (engine.runner, "launch_chunks")}
+             "launch_chunks": (engine.runner, "launch_chunks"), "launch_decode": (engine.runner, "launch_decode")}
     if engine.runner.mixed_buffers is not None:
         parts["mixed buffer writes"] = (engine.runner.mixed_buffers, "write")
     for name, (owner, attribute) in parts.items():
         calls_ms[name] = []
 
-        def timed(*args, _fn=getattr(owner, attribute), _ms=calls_ms[name], **kwargs):
+        def timed(*args, _fn=getattr(owner, attribute), _ms=calls_ms[name], _name=name, **kwargs):
             begin = time.perf_counter()
             result = _fn(*args, **kwargs)
-            _ms.append((time.perf_counter() - begin) * 1e3)
+            end = time.perf_counter()
+            _ms.append((end - begin) * 1e3)
+            if _name == "launch_chunks":
+                launch[:] = [begin, end]
             return result
 
         setattr(owner, attribute, timed)
-    return calls_ms
+    return calls_ms, settle, launch
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -163,6 +187,9 @@ def main() -> None:
     parser.add_argument("--poll", action="store_true",
                         help="step the engine with step(wait=False) in a polling loop, adding requests as they "
                              "arrive while a decode step runs (default: blocking steps)")
+    parser.add_argument("--launch-lead-us", type=float, default=None,
+                        help="with --poll: how long before the decode step in flight ends the next is launched "
+                             f"(engine.LAUNCH_LEAD_SECONDS, default {engine_module.LAUNCH_LEAD_SECONDS * 1e6:.0f} us)")
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, metavar="DIR",
@@ -176,6 +203,10 @@ def main() -> None:
     for name in ("requests", "rate", "system_prompt_len", "long_prompt_len", "budget"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.launch_lead_us is not None:
+        if not (args.poll and args.launch_lead_us >= 0):
+            parser.error(f"--launch-lead-us needs --poll and a value >= 0, got {args.launch_lead_us}")
+        engine_module.LAUNCH_LEAD_SECONDS = args.launch_lead_us * 1e-6
     config = BENCH_CONFIG if cuda else random_model_config()
 
     def given(value, cuda_default, cpu_default):
@@ -206,7 +237,8 @@ def main() -> None:
     if "long-prompts" in args.scenarios:
         rows += long_prompt_rows(engine, n, rate, vocab, long_len, budget, max_len, args.seed, args.poll)
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    kv = ("" if args.kv_cache_dtype == "auto" else ", fp8 KV cache") + (", polling loop" if args.poll else "")
+    kv = ("" if args.kv_cache_dtype == "auto" else ", fp8 KV cache") + (
+        f", polling loop (lead {engine_module.LAUNCH_LEAD_SECONDS * 1e6:.0f} us)" if args.poll else "")
     rows = [dataclasses.replace(row, case=row.case + kv) for row in rows]  # (the jsonl has no title)
     print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
                                                             f"({'bf16' if cuda else 'fp32'}{kv}), {device}"))

@@ -21,14 +21,14 @@ import dataclasses
 import random
 import time
 
-import pytest
-
 from compiled_attn.block_allocator import block_hash
 from compiled_attn.engine import Engine, Request
+from compiled_attn.mixed_graphs import default_mixed_capture_sizes
 from compiled_attn.model_runner import InflightStep
 from compiled_attn.models import build_random_model
 from compiled_attn.sampling import SamplingParams
 from test_engine import SMALL
+from test_mixed_graphs import emulate_mixed_graphs
 
 Arrivals = dict[int, list[tuple[list[int], SamplingParams, int | None]]]
 _models: dict[int | None, object] = {}
@@ -137,13 +137,26 @@ def pick_eos(arrivals: Arrivals, settings: dict, pick: float) -> int | None:
 def test_random_arrivals_give_the_outputs_of_a_synchronous_engine():
     """48 random cases: outputs equal a synchronous engine's and no behind step preempts (a
     preempted row would be queued with its stand-in token); together they launch behind
-    steps, preempt, and end rows by an EOS read only after a behind launch."""
-    behind = preemptions = eos_finishes = 0
+    steps, preempt, and end rows by an EOS read only after a behind launch. Odd cases run
+    their mixed steps through padded mixed buffers (emulated graphs), where a behind step's
+    decode rows get their in-flight tokens by :meth:`MixedBuffers.feed`."""
+    behind = preemptions = eos_finishes = fed = 0
     for seed in range(48):
         arrivals, settings, pick = random_case(seed)
         eos = pick_eos(arrivals, settings, pick)
         want = drive(Engine(model_for(eos), compile=False, async_decode=False, **settings), arrivals, eos)
         engine = Engine(model_for(eos), compile=False, **settings)
+        if seed % 2:
+            emulate_mixed_graphs(engine, default_mixed_capture_sizes(settings["max_num_seqs"],
+                                                                     settings["max_num_batched_tokens"]))
+            feed = engine.runner.mixed_buffers.feed
+
+            def counted_feed(tokens, count, _feed=feed):
+                nonlocal fed
+                fed += count
+                _feed(tokens, count)
+
+            engine.runner.mixed_buffers.feed = counted_feed
         run_behind = engine._run_chunks_behind
         finished_behind: list[Request] = []
 
@@ -160,7 +173,7 @@ def test_random_arrivals_give_the_outputs_of_a_synchronous_engine():
         behind += engine.timings.behind_steps
         preemptions += engine.scheduler.num_preemptions
         eos_finishes += len(finished_behind)
-    assert behind >= 30 and preemptions > 0 and eos_finishes > 0, (behind, preemptions, eos_finishes)
+    assert behind >= 30 and preemptions > 0 and eos_finishes > 0 and fed >= 10, (behind, preemptions, eos_finishes, fed)
 
 
 def test_polling_steps_give_the_outputs_of_a_synchronous_engine(monkeypatch):

@@ -16,7 +16,7 @@ from compiled_attn.metadata import (
     pack_chunks,
     pinned,
 )
-from compiled_attn.step_inputs import write_buffers
+from compiled_attn.step_inputs import StagedBuffers
 
 BLOCK_SIZE = 4
 MAX_BLOCKS = 4
@@ -168,26 +168,38 @@ def test_pinned_leaves_host_tensors_for_the_cpu_alone():
     assert pinned(host, torch.device("cpu")) is host
 
 
+def test_staged_buffers_set_leading_entries_of_whole_tensors():
+    staged = StagedBuffers({"input_ids": ((6,), torch.int64, 7), "seeds": ((3,), torch.int64, 0),
+                            "block_table": ((3, 4), torch.int32, -1), "top_p": ((2,), torch.float32, 1.0)}, "cpu")
+    bufs = staged.buffers
+    assert bufs["input_ids"].tolist() == [7] * 6 and bufs["top_p"].tolist() == [1.0, 1.0]
+    assert all(b.storage_offset() == 0 for b in bufs.values())  # no views: see StagedBuffers
+    staged.write({"input_ids": [1, 2], "seeds": [], "top_p": [0.5]}, [[5, 6, 7], [8]])
+    assert bufs["input_ids"].tolist() == [1, 2, 7, 7, 7, 7] and bufs["seeds"].tolist() == [0, 0, 0]
+    assert bufs["block_table"].tolist() == [[5, 6, 7, -1], [8, 0, 0, -1], [-1] * 4]  # padded to the longest row
+    assert bufs["top_p"].tolist() == [0.5, 1.0]
+    staged.write({"seeds": [9, 9, 9]})
+    assert bufs["input_ids"].tolist() == [1, 2, 7, 7, 7, 7] and bufs["seeds"].tolist() == [9, 9, 9]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_buffer_writes_from_pinned_memory_arrive_whole():
-    """Host columns for CUDA go through page-locked memory, so the copies return before
-    they run; behind a busy stream, each still delivers its own values (the host block of
-    one write is not handed to the next while its copy waits)."""
+def test_buffer_writes_through_pinned_mirrors_arrive_whole():
+    """Host columns for CUDA go through page-locked mirrors, so the copies return before
+    they run; behind a busy stream, a step queued after each write reads that write's
+    values (a write waits for the previous write's copies before it refills the mirrors)."""
     assert pinned(torch.arange(5), "cuda").is_pinned()
 
-    class Buffers:
-        def __init__(self):
-            self.input_ids = torch.full((4096,), -1, dtype=torch.int64, device="cuda")
-            self.block_table = torch.full((8, 64), -1, dtype=torch.int32, device="cuda")
-
-    written = [Buffers() for _ in range(3)]
+    staged, seen = StagedBuffers({"input_ids": ((4096,), torch.int64, -1),
+                                  "block_table": ((8, 64), torch.int32, -1)}, "cuda"), []
+    input_ids, block_table = staged.buffers["input_ids"], staged.buffers["block_table"]
     torch.cuda._sleep(50_000_000)  # the copies queue behind ~25 ms of device time
-    for step, buffers in enumerate(written):
-        write_buffers(buffers, {"input_ids": [step * 10_000 + i for i in range(4000)]}, [[step, 1, 2], [3 + step]])
-    for step, buffers in enumerate(written):
-        assert buffers.input_ids[:4000].tolist() == [step * 10_000 + i for i in range(4000)]
-        assert buffers.block_table[:2, :3].tolist() == [[step, 1, 2], [3 + step, 0, 0]]
+    for step in range(3):
+        staged.write({"input_ids": [step * 10_000 + i for i in range(4000)]}, [[step, 1, 2], [3 + step]])
+        seen.append((input_ids[:4000].clone(), block_table[:2, :3].clone()))  # a step behind it
+    for step, (ids, table) in enumerate(seen):
+        assert ids.tolist() == [step * 10_000 + i for i in range(4000)]
+        assert table.tolist() == [[step, 1, 2], [3 + step, 0, 0]]
     packed = pack_chunks([SequenceChunk([1, 2, 3], 0, [6])], block_size=4, max_blocks_per_seq=5)
     md = packed.to_device("cuda")
     assert md.input_ids.tolist() == [1, 2, 3] and md.block_table.tolist() == [[6, 0, 0, 0, 0]]

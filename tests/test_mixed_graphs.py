@@ -130,7 +130,7 @@ def test_padded_step_equals_the_unpadded_forward_and_writes_only_real_slots():
         assert k[free].isnan().all() and v[free].isnan().all()  # pad tokens wrote nothing
 
 
-def _emulate_mixed_graphs(engine: Engine, sizes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+def emulate_mixed_graphs(engine: Engine, sizes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
     """Give the engine mixed buffers of ``sizes`` and a runner that replays by running the
     padded step eagerly; returns the ``(tokens, seqs, greedy)`` variants replayed."""
     runner = engine.runner
@@ -163,7 +163,7 @@ def test_engine_with_mixed_graphs_gives_the_tokens_of_compiled_steps(budget):
 
     plain = engine().generate(prompts, params, seed=3)[0]
     graphed = engine()
-    used = _emulate_mixed_graphs(graphed, default_mixed_capture_sizes(8, budget))
+    used = emulate_mixed_graphs(graphed, default_mixed_capture_sizes(8, budget))
     got = graphed.generate(prompts, params, seed=3)[0]
     assert [c.output_ids for c in got] == [c.output_ids for c in plain]
     assert [s.output_ids for s in got[2].samples] == [s.output_ids for s in plain[2].samples]
@@ -174,6 +174,22 @@ def test_engine_with_mixed_graphs_gives_the_tokens_of_compiled_steps(budget):
     assert ([c.output_ids for c in graphed.generate(prompts, greedy_params)[0]]
             == [c.output_ids for c in engine().generate(prompts, greedy_params)[0]])
     assert used and all(greedy for *_, greedy in used)
+
+
+def test_compiled_engine_with_mixed_buffers_compiles_each_variant_once():
+    """The compiled forward sees the mixed buffers (padded mixed steps), the decode buffers
+    and packed eager steps: one graph per variant, no recompile (buffers that were views
+    of one flat tensor recompiled it on their storage offsets)."""
+    model = build_random_model(CONFIG, seed=5)
+    engine = Engine(model, block_size=4, num_blocks=96, max_num_seqs=8)
+    used = emulate_mixed_graphs(engine, default_mixed_capture_sizes(8, None))
+    engine.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20], SamplingParams(max_new_tokens=6))
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=4))
+    engine.step()
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert used and engine.compile_stats.recompiles == 0, engine.compile_stats
 
 
 def test_bad_mixed_capture_sizes_are_clear_errors():
