@@ -46,7 +46,7 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """SHA-256 of a full block's parent hash (``None`` for the first block) and its token
     ids: equal digests mean equal prefixes (a collision of Python's ``hash`` would reuse
     another prompt's K/V; vLLM moved to SHA-256 for that reason, CVE-2025-25183)."""
-    return next(block_hashes(parent, token_ids, len(token_ids)))
+    return _chained(parent, array("q", token_ids).tobytes())
 
 
 def block_hashes(parent: bytes | None, token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
@@ -54,10 +54,15 @@ def block_hashes(parent: bytes | None, token_ids: Sequence[int], block_size: int
     first block follows ``parent``), lazily; the ids become bytes once, not per block."""
     data, step = memoryview(array("q", token_ids).tobytes()), 8 * block_size
     for start in range(0, len(token_ids) // block_size * step, step):
-        digest = hashlib.sha256(parent or b"")
-        digest.update(data[start:start + step])
-        parent = digest.digest()
+        parent = _chained(parent, data[start:start + step])
         yield parent
+
+
+def _chained(parent: bytes | None, data) -> bytes:
+    """:func:`block_hash` of a block whose token ids are ``data`` (int64 bytes)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(data)
+    return digest.digest()
 
 
 class BlockAllocator:

@@ -68,8 +68,8 @@ class StagedBuffers:
                 host = torch.empty(sum(self.buffers[n].numel() for n in names), dtype=dtype, pin_memory=True)
                 offset = 0
                 for name in names:
-                    buffer = self.buffers[name]
-                    self._host[name] = host[offset: offset + buffer.numel()].view(buffer.shape).numpy()
+                    buffer, value = self.buffers[name], columns[name][2]
+                    self._host[name] = host[offset: offset + buffer.numel()].view(buffer.shape).fill_(value).numpy()
                     self._place[name] = (dtype, offset)
                     offset += buffer.numel()
                 self._staging[dtype] = (host, torch.empty_like(host, device=device))
