@@ -48,24 +48,28 @@ class StagedBuffers:
     Args:
         columns: name -> ``(shape, dtype, initial value)`` of each buffer.
         device: where the buffers live.
+        staged: write through the staging areas (default: on CUDA devices); on the CPU it
+            stages through ordinary host memory (the tests check the staging there).
 
     Attributes:
         buffers: name -> the device buffer.
     """
 
-    def __init__(self, columns: dict[str, tuple[tuple[int, ...], torch.dtype, float]], device) -> None:
+    def __init__(self, columns: dict[str, tuple[tuple[int, ...], torch.dtype, float]], device,
+                 staged: bool | None = None) -> None:
         device = torch.device(device)
+        cuda = device.type == "cuda"
         self.buffers = {name: torch.full(shape, value, dtype=dtype, device=device)
                         for name, (shape, dtype, value) in columns.items()}
         self._host: dict[str, np.ndarray] = {}  # name -> numpy view of where the host writes it
         self._place: dict[str, tuple[torch.dtype, int]] = {}  # name -> (dtype, offset in its staging area)
         self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (host, device)
-        if device.type != "cuda":
+        if not (cuda if staged is None else staged):
             self._host = {name: buffer.numpy() for name, buffer in self.buffers.items()}
         else:
             for dtype in dict.fromkeys(dtype for _, dtype, _ in columns.values()):
                 names = [name for name, (_, d, _) in columns.items() if d == dtype]
-                host = torch.empty(sum(self.buffers[n].numel() for n in names), dtype=dtype, pin_memory=True)
+                host = torch.empty(sum(self.buffers[n].numel() for n in names), dtype=dtype, pin_memory=cuda)
                 offset = 0
                 for name in names:
                     buffer, value = self.buffers[name], columns[name][2]
@@ -105,8 +109,9 @@ class StagedBuffers:
                 torch._foreach_copy_(
                     [self.buffers[name].view(-1)[: written[name]] for name in names],
                     [device[self._place[name][1]: self._place[name][1] + written[name]] for name in names])
-        self._copied = torch.cuda.Event()
-        self._copied.record(torch.cuda.current_stream(device.device))
+        if device.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device.device))
 
 
 @dataclass

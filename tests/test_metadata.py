@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -180,6 +182,26 @@ def test_staged_buffers_set_leading_entries_of_whole_tensors():
     assert bufs["top_p"].tolist() == [0.5, 1.0]
     staged.write({"seeds": [9, 9, 9]})
     assert bufs["input_ids"].tolist() == [1, 2, 7, 7, 7, 7] and bufs["seeds"].tolist() == [9, 9, 9]
+
+
+def test_staged_writes_equal_writes_in_place():
+    """Through the staging areas (one copy and one ``_foreach_copy_`` per dtype, as on
+    CUDA), 200 random writes leave every buffer as writing in place does: offsets, lengths,
+    dtypes, whole block-table rows."""
+    columns = {"input_ids": ((32,), torch.int64, 0), "slot_mapping": ((32,), torch.int64, -1),
+               "seeds": ((8,), torch.int64, 0), "seq_lens": ((8,), torch.int32, 0),
+               "block_table": ((8, 6), torch.int32, 0), "top_p": ((8,), torch.float32, 1.0)}
+    staged, direct = StagedBuffers(columns, "cpu", staged=True), StagedBuffers(columns, "cpu")
+    rng = random.Random(0)
+    for _ in range(200):
+        write = {name: [rng.randrange(-5, 100) if dtype != torch.float32 else rng.random()
+                        for _ in range(rng.choice([0, 1, shape[0] // 2, shape[0]]))]
+                 for name, (shape, dtype, _) in columns.items() if name != "block_table" and rng.random() < 0.7}
+        tables = [[rng.randrange(50) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(0, 8))]
+        staged.write(write, tables)
+        direct.write(write, tables)
+        for name in columns:
+            assert torch.equal(staged.buffers[name], direct.buffers[name]), name
 
 
 @pytest.mark.gpu
