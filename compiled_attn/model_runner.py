@@ -178,19 +178,19 @@ class ModelRunner:
         def column(values, dtype):
             return column_to_device(values, dtype, self.device)
 
+        # the fed decode rows: (their input_ids entry, their row in feed's tokens)
+        fed = [(packed.cu_seqlens_q[chunk], row) for chunk, row in feed[1]] if feed is not None else []
         if shape is not None:
             greedy = all(temperature == 0 for _, temperature, *_ in draws)
-            pairs = feed[1] if feed is not None else []
-            self.mixed_buffers.write(packed, shape, draws, greedy, pairs)
-            if pairs:
-                self.mixed_buffers.feed(feed[0], len(pairs))
+            self.mixed_buffers.write(packed, shape, draws, greedy, fed)
+            if fed:
+                self.mixed_buffers.feed(feed[0], len(fed))
             with record_function("replay"):
                 return self.mixed_graphs.replay(shape, greedy)[: len(draws)]
         md = packed.to_device(self.device)
-        if feed is not None:
-            tokens, pairs = feed
-            index = column([packed.cu_seqlens_q[chunk] for chunk, _ in pairs], torch.int64)
-            md.input_ids.index_copy_(0, index, tokens.index_select(0, column([row for _, row in pairs], torch.int64)))
+        if fed:
+            entries, rows = zip(*fed)
+            md.input_ids.index_copy_(0, column(entries, torch.int64), feed[0].index_select(0, column(rows, torch.int64)))
         if self.paged_prefill:
             md.prefill_only = False
 

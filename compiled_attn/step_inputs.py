@@ -277,8 +277,8 @@ class MixedBuffers:
         token; ``greedy`` (every draw takes the argmax) writes their rows only. Only the
         step's own ``block_table`` rows, and in them the columns up to the longest
         (:func:`~compiled_attn.metadata.block_table_rows`), are meaningful: a padding
-        sequence has no keys, so its row is never read. ``feed`` holds ``(sequence, row)``
-        pairs of decode rows whose input token :meth:`feed` copies in on the device.
+        sequence has no keys, so its row is never read. ``feed`` holds ``(input_ids entry,
+        row)`` pairs of decode rows whose input token :meth:`feed` copies in on the device.
         """
         tokens, seqs = shape
         pad_tokens, pad_seqs, pad_draws = tokens - packed.num_tokens, seqs - packed.num_seqs, seqs - len(draws)
@@ -290,7 +290,7 @@ class MixedBuffers:
             "cu_seqlens_q": packed.cu_seqlens_q + [tokens] * pad_seqs,
             "seq_lens": packed.seq_lens + [0] * pad_seqs,
             "draw_rows": rows + [0] * pad_draws,
-            "feed_index": [packed.cu_seqlens_q[sequence] for sequence, _ in feed],
+            "feed_index": [entry for entry, _ in feed],
             "feed_rows": [row for _, row in feed],
         }
         if not greedy:
