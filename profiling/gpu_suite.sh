@@ -44,7 +44,12 @@
 #                                        # float32) and profiling/bench_tp.py at TP=1 and TP=2 (issue 14;
 #                                        # TP_BENCH="2" picks sizes, TP_GENERATE=0 skips the token compare)
 #   bash profiling/gpu_suite.sh pytest FILE...  # pytest -m gpu on these test files (PYTEST_SECONDS, default 300;
-#                                        # PYTEST_ARGS, extra arguments; PYTEST_WORKERS, default 4, 0: one process)
+#                                        # PYTEST_ARGS, extra arguments split at spaces; PYTEST_K, a -k expression;
+#                                        # PYTEST_WORKERS, default 4, 0: one process)
+#   bash profiling/gpu_suite.sh bench ARGS...  # profiling/bench_kernels.py ARGS (e.g. --parts fp8 --fp8-sweep;
+#                                        # BENCH_SECONDS, default 300)
+#   PATCH=FILE bash profiling/gpu_suite.sh STAGE...  # the stages on a copy of the tree with FILE (git diff) applied:
+#                                        # a branch measured beside main in one call
 #   bash profiling/gpu_suite.sh compare  # profiling/train_compare.py (COMPARE_ARGS, e.g. "--seeds 0 1
 #                                        # --steps 600"), runs in /root/runs/compare; results to $OUT
 # Logs and result tables go to $OUT (brought back by the device tool; copy results/*.md and
@@ -52,9 +57,16 @@
 # compiled_attn.ops to ops/, as the editable install does, so nothing is installed there.
 set -uo pipefail
 usage="usage: gpu_suite.sh STAGE [STAGE ...] (kernels engine linear tests newkernels compile flash host report train
-compare prefill serving tp), gpu_suite.sh decode [B ...] or gpu_suite.sh pytest FILE..."
+compare prefill serving tp), gpu_suite.sh decode [B ...], gpu_suite.sh bench ARGS... or gpu_suite.sh pytest FILE..."
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
+if [ -n "${PATCH:-}" ]; then  # measure a branch: a patched copy of the tree runs this script
+    patch=$(realpath "$PATCH") tree=$(mktemp -d)
+    cp -r "$repo"/{compiled_attn,ops,profiling,tests} "$tree"/ && ln -s "$repo/.whl" "$tree/.whl"
+    (cd "$tree" && git apply "$patch") || { echo "PATCH $PATCH does not apply"; exit 2; }
+    echo "== stages on the tree with $PATCH applied"
+    PATCH="" exec bash "$tree/profiling/gpu_suite.sh" "$@"
+fi
 out=${OUT:-$(mktemp -d)}
 site=$(mktemp -d)
 cp -r "$repo/compiled_attn" "$site/compiled_attn"
@@ -246,13 +258,21 @@ serving)
     echo "== summary"
     cat "$out/results/serving.md" "$out/results/kernels.md" 2>/dev/null
     ;;
+bench)
+    shift
+    mkdir -p "$out/results"
+    run bench_kernels "${BENCH_SECONDS:-300}" python3 "$repo/profiling/bench_kernels.py" --results-dir "$out/results" "$@"
+    echo "== summary"
+    cat "$out/results/kernels.md" 2>/dev/null
+    ;;
 pytest)
     shift
     parallel=()
     [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null && parallel=(-n "${PYTEST_WORKERS:-4}")
     # shellcheck disable=SC2086  # PYTEST_ARGS: extra pytest arguments, e.g. "-x"
+    keyword=(); [ -n "${PYTEST_K:-}" ] && keyword=(-k "$PYTEST_K")
     run pytest_gpu "${PYTEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu "${parallel[@]}" \
-        ${PYTEST_ARGS:-} "${@/#/$repo/}"
+        "${keyword[@]}" ${PYTEST_ARGS:-} "${@/#/$repo/}"
     echo "== summary"; tail -n 3 "$out/pytest_gpu.log"; grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.log" | head -20
     ;;
 tp)  # on nvidia-h200-x2 (kind): NVLink multicast stays off (the device's KINDS.md)
@@ -285,7 +305,7 @@ PY
     ;;
 esac
 }
-if [ "$1" = decode ] || [ "$1" = pytest ]; then
+if [ "$1" = decode ] || [ "$1" = pytest ] || [ "$1" = bench ]; then
     run_stage "$@"
 else
     for stage in "$@"; do run_stage "$stage"; done

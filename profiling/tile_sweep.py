@@ -10,9 +10,10 @@ medians). The current heuristic's choice is marked ``*``.
 With ``--splits`` it sweeps the flash-decoding split count instead (default tiles, the
 heuristic's count marked ``*``) over small-batch decode shapes; with ``--chunk-splits``
 over mixed steps as the engine's graphs launch them (prefill chunks, decode rows and a
-padding sequence; a block table as wide as a 16k ``max_model_len``).
+padding sequence; a block table as wide as a 16k ``max_model_len``); with ``--chunk-tiles``
+the tiles and split counts of those mixed steps together.
 
-    python profiling/tile_sweep.py [--splits | --chunk-splits]
+    python profiling/tile_sweep.py [--splits | --chunk-splits | --chunk-tiles]
 """
 
 from __future__ import annotations
@@ -155,13 +156,58 @@ def chunk_split_regime(name: str, rows: list[tuple[int, int]], table_width: int 
         print(f"{ms * 1e3:8.2f} us  {label}")
 
 
+def chunk_tile_regime(name: str, rows: list[tuple[int, int]], table_width: int = 1024, head_size: int = 64):
+    """Time tiles x split counts of a differential mixed step (``chunk_inputs``): query rows
+    per program 16 to 128, three key-step shapes, 1 to 16 splits; ``*`` marks the
+    heuristic's choice. Every output is checked against the float64 reference."""
+    args = chunk_inputs(rows, table_width, head_size)
+    lam = torch.rand(NUM_HEADS // 2, device="cuda")
+    max_kv_len = table_width * BLOCK_SIZE
+    plan = attention.launch_plan(args[0], NUM_KV_HEADS, len(rows), max_kv_len, True)
+    expected = reference.paged_attention(*[a.double() if a.is_floating_point() else a for a in args],
+                                         lam.double(), head_size ** -0.5, True, -1, -1, 0.0, None)
+    results = []
+    steps = ((64, 4, 3), (128, 8, 1), (32, 4, 3))
+    for block_m, (tile_n, warps, stages), splits in itertools.product((16, 32, 64, 128), steps, (1, 2, 4, 8, 16)):
+        tiles = config.TileConfig(block_m, tile_n, warps, stages, programs_per_sm=1)
+
+        def run():
+            return triton_kernels.paged_attention(*args, lam, num_splits=splits, tiles=tiles)
+        try:
+            err = relative_error(run(), expected)
+            ms = do_bench_cudagraph(run, rep=30, return_mode="median")
+        except Exception as error:  # a candidate that does not compile or launch: report it
+            print(f"   {block_m}x{tile_n} w{warps} s{stages} splits={splits}: {type(error).__name__}")
+            continue
+        chosen = (block_m, tile_n, warps, stages, splits) == (
+            plan.tiles.block_m, plan.tiles.tile_n, plan.tiles.num_warps, plan.tiles.num_stages, plan.num_splits)
+        results.append((ms, f"{'*' if chosen else ' '}{block_m}x{tile_n} w{warps} s{stages} splits={splits} "
+                            f"err={err:.0e}" + (" BAD" if err > 1e-2 else "")))
+    err = relative_error(triton_kernels.paged_attention(*args, lam), expected)
+    default = do_bench_cudagraph(lambda: triton_kernels.paged_attention(*args, lam), rep=30, return_mode="median")
+    print(f"\n== tiles, {name} (tokens {args[0].shape[0]}, seqs {len(rows)}, D {head_size}); heuristic "
+          f"{plan.tiles.block_m}x{plan.tiles.tile_n} w{plan.tiles.num_warps} s{plan.tiles.num_stages} "
+          f"splits={plan.num_splits}: {default * 1e3:.2f} us err={err:.0e}" + (" BAD" if err > 1e-2 else ""))
+    for ms, label in sorted(results)[:12]:
+        print(f"{ms * 1e3:8.2f} us  {label}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", action="store_true", help="sweep split counts instead of tiles")
     parser.add_argument("--chunk-splits", action="store_true", help="sweep split counts of mixed steps")
+    parser.add_argument("--chunk-tiles", action="store_true", help="sweep tiles and split counts of mixed steps")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}; Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_SIZE} "
           f"block={BLOCK_SIZE} {DTYPE}")
+    if args.chunk_tiles:
+        chunk_tile_regime("prefix hit: 60 after 1024, padding", [(1024, 60), (0, 4)])
+        chunk_tile_regime("no prefix: 60 tokens, padding", [(0, 60), (0, 4)])
+        chunk_tile_regime("prefix hit + 2 decode rows", [(1024, 124), (1100, 1), (1100, 1), (0, 2)])
+        chunk_tile_regime("prefix hit, 190 new + 6 decode rows", [(1024, 186), *[(1100, 1)] * 6])
+        chunk_tile_regime("prefix hit + 2 decode rows, D 128", [(1024, 124), (1100, 1), (1100, 1), (0, 2)],
+                          head_size=128)
+        return
     if args.chunk_splits:
         chunk_split_regime("prefix hit: 60 after 1024, padding", [(1024, 60), (0, 4)])
         chunk_split_regime("no prefix: 60 tokens, padding", [(0, 60), (0, 4)])

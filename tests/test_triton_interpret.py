@@ -277,6 +277,23 @@ def test_stacking_is_for_decode_tiles_only():
     assert not choose_tiles(64, 64, 4, 128, False, torch.bfloat16).stacked
 
 
+def test_short_differential_chunks_take_pipelined_64_row_tiles():
+    """Differential launches of at most SHORT_CHUNK_TOKENS tokens a sequence (a prefix hit's
+    suffix beside decode rows) with heads of up to 64 take 64-row tiles of pipelined 64-key
+    steps; long prefill, wider heads and plain launches keep the prefill tiles."""
+    def tiles(num_tokens, num_seqs, differential=True, head_size_pad=64):
+        return choose_tiles(num_tokens, num_seqs, 4, head_size_pad, differential, torch.bfloat16)
+
+    for tokens, seqs in ((64, 2), (128, 4), (192, 7), (64 * 8, 8)):
+        short = tiles(tokens, seqs)
+        assert (short.block_m, short.tile_n, short.num_warps, short.num_stages) == (64, 64, 4, 3)
+    wide = tiles(128, 4, head_size_pad=128)
+    assert (wide.block_m, wide.tile_n, wide.num_stages) == (64, 128, 1)
+    long = tiles(65 * 2, 2)
+    assert (long.block_m, long.tile_n, long.num_stages) == (128, 128, 1)
+    assert tiles(64, 2, differential=False).block_m == 128
+
+
 def run_varlen(batch, lambda_full=None, tensor_scalars=False, **options):
     args = on_device(*batch.attention_args())
     (lam,) = on_device(lambda_full)

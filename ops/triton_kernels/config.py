@@ -14,8 +14,11 @@ H200 (``profiling/tile_sweep.py``, results in ``profiling/results/triton_kernels
   ``2D``-wide accumulator per row instead of two.
 * Keys per step (``tile_n``): at most ``KV_STEP_BYTES`` of K/V loads per step, 16 to 64;
   differential prefill tiles (64 rows or more) take twice that, up to 128 keys, unpipelined.
-* 4 warps up to 8192 accumulator floats per program, else 8; 3 pipeline stages for steps of
-  up to 32 KiB, else 2 (shared memory).
+* Differential launches of short chunks (at most ``SHORT_CHUNK_TOKENS`` tokens a sequence:
+  the suffix of a prefix hit, the mixed steps of a serving engine) with heads of up to 64
+  take at most 64 rows and pipelined 64-key steps instead (:func:`choose_tiles`).
+* 4 warps up to 8192 accumulator floats per program (16384 for short differential chunks),
+  else 8; 3 pipeline stages for steps of up to 32 KiB, else 2 (shared memory).
 * Decode tiles over a float8_e4m3fn cache read with a 16-bit query (:func:`fp8_decode_tiles`):
   twice the keys per step while the step stays within ``FP8_STEP_BYTES``, and
   ``FP8_DECODE_STAGES`` pipeline stages, so that the K/V loads of the next step overlap the
@@ -41,6 +44,7 @@ IN_FLIGHT_BYTES = 262144  # K/V bytes per SM the split heuristic keeps requested
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256  # splits that only add requests in flight
 MIN_KEYS_PER_FILL_SPLIT = 64  # splits that give idle multiprocessors a program
+SHORT_CHUNK_TOKENS = 64  # differential launches (D <= 64) with at most this many tokens a sequence: 64-row tiles
 FP8_STEP_BYTES = 32768  # K/V bytes per key step of an fp8-cache decode tile, at most
 FP8_DECODE_REGISTERS = 168  # a thread's registers that keep 3 programs of 4 warps on a multiprocessor
 FP8_DECODE_STAGES = 5  # K/V buffers in Triton 3.6: 1 at 2-4 stages, 2 at 5-6, 3 at 7 (fp8_decode_tiles)
@@ -77,24 +81,35 @@ def choose_tiles(num_tokens: int, num_seqs: int, group_pad: int, head_size_pad: 
     """Tiles for a batch of ``num_tokens`` queries in ``num_seqs`` sequences, ``group_pad``
     query heads (pairs) per KV head (pair), head size padded to ``head_size_pad``; ``dtype``
     the query's, ``kv_dtype`` the cache's (``None``: the query's)."""
-    rows_per_seq = triton.cdiv(num_tokens, max(num_seqs, 1)) * group_pad
+    tokens_per_seq = triton.cdiv(num_tokens, max(num_seqs, 1))
+    rows_per_seq = tokens_per_seq * group_pad
     stacked = differential and 2 * next_power_of_2(rows_per_seq) <= MIN_BLOCK_M
     # float32 accumulator columns per row, in head sizes: [v1 | v2] once (stacked) or twice
     state = (2 if stacked else 4) if differential else 1
     operand = 4 if dtype == torch.float32 else 1  # float32 operands: more registers and smem
     max_block_m = ACCUMULATOR_BUDGET // (head_size_pad * state * operand)
     max_block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, max_block_m))
+    # Short differential chunks (head size up to 64): 64-row tiles of pipelined 64-key steps
+    # at 4 warps. H200, Hq 32, Hkv 8, 2026-12-01 (`profiling/tile_sweep.py --chunk-tiles`,
+    # attention and merge, splits by choose_num_splits), D 64: 60 tokens after 1024 cached
+    # keys 26.5 -> 21.7 us, 60 tokens alone 25.6 -> 16.0, 124 tokens after 1024 with two
+    # decode rows 49.2 -> 32.9, 186 after 1024 with six 72.2 -> 46.2 (128-row tiles of
+    # unpipelined 128-key steps before). At D 128 the 64-key steps lost (124 after 1024:
+    # 56.9 us against 40.9 for 64x128 w8 s1): wider heads keep the prefill tiles.
+    short = differential and tokens_per_seq <= SHORT_CHUNK_TOKENS and head_size_pad <= 64
+    if short:
+        max_block_m = min(max_block_m, 64)
     block_m = max(MIN_BLOCK_M, group_pad, min(next_power_of_2(rows_per_seq), max_block_m))
     kv_loads = 4 if differential else 2  # k, v tiles (k1, k2 and the [v1 | v2] pair)
     token_bytes = head_size_pad * dtype.itemsize * kv_loads
     # Differential prefill tiles: twice the keys per step, unpipelined (sweep 2: 1.65 ms
     # against 1.88 ms for 64-key steps at 2 stages, B 8 x S 2048, D 128).
-    wide_steps = differential and block_m >= 64
+    wide_steps = differential and block_m >= 64 and not short
     step_limit = 2 * KV_STEP_BYTES if wide_steps else KV_STEP_BYTES
     tile_n = max(16, min(128 if wide_steps else 64, step_limit // token_bytes))
     step_bytes = tile_n * token_bytes
     accumulators = block_m * head_size_pad * state * operand
-    tiles = TileConfig(block_m, tile_n, num_warps=4 if accumulators <= 8192 else 8,
+    tiles = TileConfig(block_m, tile_n, num_warps=4 if accumulators <= (16384 if short else 8192) else 8,
                        num_stages=1 if wide_steps else (3 if step_bytes <= 32768 else 2),
                        programs_per_sm=triton.cdiv(IN_FLIGHT_BYTES, step_bytes), stacked=stacked)
     if kv_dtype == torch.float8_e4m3fn and dtype.itemsize == 2 and block_m == MIN_BLOCK_M:
