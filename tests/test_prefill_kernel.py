@@ -29,6 +29,7 @@ from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
 from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
     HOPPER_TILES,
+    PAGED_TILES,
     SWEEP_TILES,
     PrefillTiles,
     covers,
@@ -148,16 +149,19 @@ def test_covers_and_routing_switch():
 
 
 def test_compiles_for_sm90_without_spills():
-    """The real Hopper tiles (bf16, TMA) lower to a cubin for sm90 within 227 KiB of shared
-    memory and without register spills (``tests/compile_prefill_sm90.py``, in a process
-    without ``TRITON_INTERPRET``; no GPU needed)."""
+    """The real Hopper tiles (bf16, TMA), contiguous and paged, lower to a cubin for sm90
+    within 227 KiB of shared memory and without register spills
+    (``tests/compile_prefill_sm90.py``, in a process without ``TRITON_INTERPRET``; no GPU
+    needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("compile_prefill_sm90.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(HOPPER_TILES)
+    paged = [row for row in report if row["case"].startswith("paged")]
+    assert len(report) - len(paged) == len(HOPPER_TILES)
+    assert len(paged) >= len(PAGED_TILES)  # paged prefill (K/V by pointer loads) at block 16 and larger
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row

@@ -51,9 +51,18 @@ programs per pair each take one value head: half the accumulators for twice the 
 dots, which is what lets 128-row tiles fit at D 128); the output is
 ``acc_1 / l_1 - lambda_j * acc_2 / l_2`` (float32), as the unified kernel writes it.
 
-ALiBi, paged caches, float32 and head sizes other than 64/128/256 (differential: 64/128)
+ALiBi, float8 caches, float32 and head sizes other than 64/128/256 (differential: 64/128)
 stay on the unified kernel (:func:`covers`). The op routes covered calls here when
 :data:`compiled_attn.ops.triton_kernels.attention.PREFILL_KERNEL` is ``"hopper"``.
+
+Paged prefill (``PAGED``, :func:`paged_prefill`; the ``paged_attention`` op routes
+:func:`covers_paged` calls here when ``attention.PAGED_PREFILL_KERNEL`` is ``"hopper"``):
+K/V come from caches ``[num_blocks, block_size, Hkv, D]`` through the block table; each key
+tile reads its ``BLOCK_N // block_size`` block ids once (one id when a block holds the
+tile) and loads its rows with pointer loads, which Triton's pipeliner turns into cp.async
+copies into the shared buffers that wgmma reads (at 3+ stages the id load is pipelined a
+stage ahead as well); q and out keep TMA. Masks, windows, softcap, GQA and differential
+pairs as above, with ``k_len = seq_lens[b]``.
 """
 
 from __future__ import annotations
@@ -97,6 +106,46 @@ def _load_tile(src, row, num_rows, head, stride_t, stride_h, stride_d, ROWS: tl.
 
 
 @triton.jit
+def _paged_rows(table_row, start, keys_left, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """``(block, slot)``, ``[ROWS]`` each, of a sequence's keys ``start ..`` in a paged
+    cache: the tile's ``ROWS // BLOCK_SIZE`` block ids read once from the sequence's
+    block-table row ``table_row`` (one id when a block holds the whole tile) and broadcast
+    to their rows. ``MASKED``: ids of blocks at or past ``keys_left`` are not read (0; the
+    rows' loads are masked)."""
+    rows = tl.arange(0, ROWS)
+    if BLOCK_SIZE >= ROWS:  # the tile lies in one block (powers of two, start % ROWS == 0)
+        block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
+        return tl.full([ROWS], 0, tl.int64) + block, start % BLOCK_SIZE + rows
+    else:
+        BLOCKS: tl.constexpr = ROWS // BLOCK_SIZE
+        nth = tl.arange(0, BLOCKS)
+        if MASKED:
+            ids = tl.load(table_row + start // BLOCK_SIZE + nth, mask=nth * BLOCK_SIZE < keys_left, other=0)
+        else:
+            ids = tl.load(table_row + start // BLOCK_SIZE + nth)
+        ids = tl.reshape(tl.broadcast_to(ids.to(tl.int64)[:, None], (BLOCKS, BLOCK_SIZE)), (ROWS,))
+        return ids, rows % BLOCK_SIZE
+
+
+@triton.jit
+def _load_paged_tile(cache, block, slot, keys_left, head, stride_b, stride_s, stride_h, stride_d, ROWS: tl.constexpr,
+                     COLS: tl.constexpr, HEAD_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """``[ROWS, COLS]`` tile of a paged cache ``[num_blocks, BLOCK_SIZE, H, D]``: rows at
+    ``(block, slot)`` (:func:`_paged_rows`), heads ``head ..`` (``COLS / HEAD_SIZE``
+    adjacent heads); rows at or past ``keys_left`` read as zeros when ``MASKED``. Pointer
+    loads: the pipeliner issues them as cp.async into shared memory (each row one
+    contiguous ``HEAD_SIZE`` run of 16-byte vectors)."""
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    ptrs = (cache + (block * stride_b + slot * stride_s)[:, None]
+            + ((head + cols // HEAD_SIZE) * stride_h + (cols % HEAD_SIZE) * stride_d)[None, :])
+    if MASKED:
+        return tl.load(ptrs, mask=(rows < keys_left)[:, None], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _scores(q, k, qk_scale, scale, softcap, SOFTCAP: tl.constexpr, RUNTIME_SCALARS: tl.constexpr):
     """``q kᵀ`` in base-2 log units: scaled by ``qk_scale = scale * log2(e)``, or softcapped
     (``softcap * tanh(scale * s / softcap)``; with ``RUNTIME_SCALARS`` a softcap of 0 is off)."""
@@ -133,27 +182,40 @@ def _softmax_step(m, l, acc, s, v, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, kv_len, kv_head, v_head,
+def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head,
                tile_begin, tile_end, pos, qk_scale, scale, softcap, min_dist, max_dist,
-               stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+               stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                DIFFERENTIAL: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                RUNTIME_SCALARS: tl.constexpr, USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr,
-               VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles ``[tile_begin, tile_end)`` of one sequence (``k_src``/``v_src`` start there):
-    one online-softmax state (plain) or two over the same loaded tiles (differential);
-    values ``[BLOCK_N, VALUE_COLS]`` from head ``v_head`` on."""
+               VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Key tiles ``[tile_begin, tile_end)`` of one sequence (``k_src``/``v_src`` start there;
+    ``PAGED``: they are the caches and ``table_row`` the sequence's block-table row, and
+    ``stride_kt``/``stride_vt`` the slot strides): one online-softmax state (plain) or two
+    over the same loaded tiles (differential); values ``[BLOCK_N, VALUE_COLS]`` from head
+    ``v_head`` on."""
     offs_n = tl.arange(0, BLOCK_N)
     for tile in tl.range(tile_begin, tile_end):
         start = tile * BLOCK_N
         keys_left = kv_len - start
-        k1 = _load_tile(k_src, start, keys_left, kv_head, stride_kt, stride_kh, stride_kd,
-                        BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
-        v = _load_tile(v_src, start, keys_left, v_head, stride_vt, stride_vh, stride_vd,
-                       BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED, USE_TMA)
+        if PAGED:  # the tile's block ids, read once for K and V (and k2)
+            block, slot = _paged_rows(table_row, start, keys_left, BLOCK_N, BLOCK_SIZE, MASKED)
+            k1 = _load_paged_tile(k_src, block, slot, keys_left, kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
+                                  BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED)
+            v = _load_paged_tile(v_src, block, slot, keys_left, v_head, stride_vb, stride_vt, stride_vh, stride_vd,
+                                 BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED)
+        else:
+            k1 = _load_tile(k_src, start, keys_left, kv_head, stride_kt, stride_kh, stride_kd,
+                            BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
+            v = _load_tile(v_src, start, keys_left, v_head, stride_vt, stride_vh, stride_vd,
+                           BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED, USE_TMA)
         s1 = _scores(q1, k1, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS)
         if DIFFERENTIAL:
-            k2 = _load_tile(k_src, start, keys_left, kv_head + 1, stride_kt, stride_kh, stride_kd,
-                            BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
+            if PAGED:
+                k2 = _load_paged_tile(k_src, block, slot, keys_left, kv_head + 1, stride_kb, stride_kt, stride_kh,
+                                      stride_kd, BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED)
+            else:
+                k2 = _load_tile(k_src, start, keys_left, kv_head + 1, stride_kt, stride_kh, stride_kd,
+                                BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
             s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS)
         if MASKED:
             kpos = start + offs_n
@@ -177,14 +239,15 @@ def _normalize(acc, l):
 
 @triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist"])
 def prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, lambda_ptr, scalars_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr, lambda_ptr, scalars_ptr,
     num_seqs, scale, softcap, min_dist, max_dist,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
+    stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     DIFFERENTIAL: tl.constexpr, LAMBDA_PER_PAIR: tl.constexpr, SOFTCAP: tl.constexpr,
     RUNTIME_SCALARS: tl.constexpr, WINDOW_LEFT: tl.constexpr, USE_TMA: tl.constexpr,
     VALUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """Attention of ``BLOCK_M`` query tokens x one query head (pair) of one sequence.
 
@@ -195,6 +258,12 @@ def prefill_kernel(
             strides and base addresses multiples of 16 bytes; loads and the output store go
             through per-sequence TMA descriptors.
         cu_seqlens_q_ptr, cu_seqlens_k_ptr: ``[B + 1]`` int32.
+        PAGED: k_ptr, v_ptr are caches ``[num_blocks, BLOCK_SIZE, Hkv, D]`` (strides
+            ``stride_kb``, ``stride_kt`` (slot), ``stride_kh``, ``stride_kd``; v likewise),
+            ``cu_seqlens_k_ptr`` is ``seq_lens`` ``[B]`` int32 and ``block_table_ptr`` the
+            ``[B, max_blocks]`` int32 table (row stride ``stride_bt``). K/V tiles are read
+            with pointer loads from the tile's ``BLOCK_N // BLOCK_SIZE`` blocks (ids read once
+            a tile); ``USE_TMA`` then covers q and out only. ``BLOCK_SIZE`` a power of two.
         lambda_ptr: differential lambda, ``[]`` or ``[Hq/2]`` (``LAMBDA_PER_PAIR``).
         scalars_ptr: ``RUNTIME_SCALARS``: float32 ``[2]`` ``(scale, softcap)`` replacing the
             ``scale``/``softcap`` arguments.
@@ -241,8 +310,12 @@ def prefill_kernel(
     q_first = (q_tile - q_start // BLOCK_M - seq) * BLOCK_M
     if q_first >= q_len:
         return
-    kv_start = tl.load(cu_seqlens_k_ptr + seq)
-    kv_len = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    if PAGED:
+        kv_start = 0
+        kv_len = tl.load(cu_seqlens_k_ptr + seq)
+    else:
+        kv_start = tl.load(cu_seqlens_k_ptr + seq)
+        kv_len = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
 
     if DIFFERENTIAL:
         q_head = 2 * unit
@@ -255,21 +328,27 @@ def prefill_kernel(
     # descriptors end at its last, so the TMA unit zero-fills rows past the sequence (never
     # another sequence's keys: p = 0 never meets an inf or NaN there) and clips stores.
     q_seq = q_ptr + q_start.to(tl.int64) * stride_qt
-    k_seq = k_ptr + kv_start.to(tl.int64) * stride_kt
-    v_seq = v_ptr + kv_start.to(tl.int64) * stride_vt
     o_seq = out_ptr + q_start.to(tl.int64) * stride_ot
+    table_row = block_table_ptr + seq * stride_bt  # PAGED only (a table of < 2**31 entries)
     if USE_TMA:
-        keys = tl.maximum(kv_len, 1)  # a descriptor dimension is at least 1 (no key is read when 0)
         q_src = tl.make_tensor_descriptor(q_seq, shape=[q_len, NUM_HEADS * HEAD_SIZE],
                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_SIZE])
-        k_src = tl.make_tensor_descriptor(k_seq, shape=[keys, NUM_KV_HEADS * HEAD_SIZE],
-                                          strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_SIZE])
-        v_src = tl.make_tensor_descriptor(v_seq, shape=[keys, NUM_KV_HEADS * HEAD_SIZE],
-                                          strides=[stride_vt, 1], block_shape=[BLOCK_N, VALUE_COLS])
     else:
         q_src = q_seq
-        k_src = k_seq
-        v_src = v_seq
+    if PAGED:  # the caches themselves (rows by block id and slot)
+        k_src = k_ptr
+        v_src = v_ptr
+    elif USE_TMA:
+        keys = tl.maximum(kv_len, 1)  # a descriptor dimension is at least 1 (no key is read when 0)
+        k_src = tl.make_tensor_descriptor(k_ptr + kv_start.to(tl.int64) * stride_kt,
+                                          shape=[keys, NUM_KV_HEADS * HEAD_SIZE],
+                                          strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_SIZE])
+        v_src = tl.make_tensor_descriptor(v_ptr + kv_start.to(tl.int64) * stride_vt,
+                                          shape=[keys, NUM_KV_HEADS * HEAD_SIZE],
+                                          strides=[stride_vt, 1], block_shape=[BLOCK_N, VALUE_COLS])
+    else:
+        k_src = k_ptr + kv_start.to(tl.int64) * stride_kt
+        v_src = v_ptr + kv_start.to(tl.int64) * stride_vt
     queries_left = q_len - q_first
     q1 = _load_tile(q_src, q_first, queries_left, q_head, stride_qt, stride_qh, stride_qd,
                     BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
@@ -307,17 +386,20 @@ def prefill_kernel(
 
     if WINDOW_LEFT:
         m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, kv_len, kv_head, v_head, tile_lo, mid_lo, pos,
-            qk_scale, scale, softcap, min_dist, max_dist, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-            stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA, HEAD_SIZE, VALUE_COLS, BLOCK_N)
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
+            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
     m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, kv_len, kv_head, v_head, mid_lo, mid_hi, pos,
-        qk_scale, scale, softcap, min_dist, max_dist, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-        stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA, HEAD_SIZE, VALUE_COLS, BLOCK_N)
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
     m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, kv_len, kv_head, v_head, mid_hi, tile_hi, pos,
-        qk_scale, scale, softcap, min_dist, max_dist, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-        stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA, HEAD_SIZE, VALUE_COLS, BLOCK_N)
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
 
     if DIFFERENTIAL:
         if LAMBDA_PER_PAIR:
@@ -483,21 +565,97 @@ def varlen_prefill(
     """
     if alibi_slopes is not None:
         raise ValueError("varlen_prefill has no ALiBi: use the unified kernel (varlen_attention)")
+    return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_left, window_right,
+                    softcap, scale_softcap, out, tiles, use_tma)
+
+
+# Paged prefill (chunked prefill over a paged cache) on this kernel: ``PAGED`` reads each
+# key tile's BLOCK_N // block_size block ids once and loads K/V rows with pointer loads,
+# which Triton pipelines as cp.async straight into the swizzled shared buffers that wgmma
+# reads (no register copy; at 3+ stages the id load itself is pipelined a stage ahead);
+# q and out through TMA. (TMA for K/V would need one [block_size, D] box per block: Triton
+# 3.6 then copies each box shared -> registers, joins them and stores the tile back to shared
+# for wgmma, and the dots turn synchronous; TMA gather is sm100 only.) Tiles as HOPPER_TILES,
+# all spill-free for sm90 at block 16 (tests/compile_prefill_sm90.py: plain D 128 235
+# registers, 160 KiB); not yet timed on the H200: profiling/bench_kernels.py --parts
+# prefill times PAGED_SWEEP_TILES (spill-free too) against contiguous prefill.
+PAGED_TILES: dict[tuple[int, bool], PrefillTiles] = dict(HOPPER_TILES)
+PAGED_SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
+    (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2)),
+    (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3)),
+    (256, False): (PrefillTiles(128, 32, 8, 3),),
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2)),
+    (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True)),
+}
+
+
+def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_seqs: int,
+                 lambda_full: Tensor | None, alibi_slopes: Tensor | None) -> bool:
+    """Whether :func:`paged_prefill` serves this ``paged_attention`` call on a GPU: what
+    :func:`covers` takes (fp16/bf16 caches of the query's dtype, so no float8 cache; head
+    sizes of :data:`PAGED_TILES`; no ALiBi), a power-of-two block size, and query runs of at
+    least one query tile on average: ``T >= block_m * B`` (chunked prefill, prefix hits; a
+    decode step or a batch of mostly decode rows stays on the unified kernel, which packs a
+    GQA group's rows into one tile where this kernel would spend a ``block_m``-row tile per
+    query head on each one-token row). Reads shapes and dtypes only."""
+    if not covers(query, key_cache, value_cache, lambda_full, alibi_slopes) or key_cache.dim() != 4:
+        return False
+    tiles = PAGED_TILES.get((query.shape[-1], lambda_full is not None))
+    block_size = key_cache.shape[1]
+    num_tokens = query.shape[0]
+    return (tiles is not None and block_size > 0 and block_size & (block_size - 1) == 0
+            and num_tokens >= tiles.block_m * max(num_seqs, 1)
+            and num_tokens // tiles.block_m + num_seqs <= MAX_GRID_Y)
+
+
+def paged_prefill(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+    block_table: Tensor, lambda_full: Tensor | None = None, scale: float | None = None, causal: bool = True,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    scale_softcap: Tensor | None = None, *, out: Tensor | None = None, tiles: PrefillTiles | None = None,
+    use_tma: bool | None = None,
+) -> Tensor:
+    """``compiled_attn::paged_attention`` (arguments as :func:`.attention.paged_attention`)
+    through :func:`prefill_kernel` with ``PAGED``: K/V from caches ``[num_blocks,
+    block_size, Hkv, D]`` (query's dtype, power-of-two ``block_size``) through
+    ``block_table`` ``[B, max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its
+    new tokens included, causal bottom-right aligned). ``tiles``: default
+    :data:`PAGED_TILES` on a GPU; ``use_tma``: TMA for q and out (K/V always pointer loads).
+    No ALiBi, no float8 cache (:func:`covers_paged`)."""
+    if alibi_slopes is not None or key_cache.dtype != query.dtype:
+        raise ValueError("paged_prefill has no ALiBi and no float8 cache: use the unified kernel (paged_attention)")
+    block_size = key_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_prefill needs a power-of-two block size, got {block_size}")
+    if tiles is None and query.is_cuda:
+        tiles = PAGED_TILES.get((query.shape[-1], lambda_full is not None))
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    return _prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
+                    window_left, window_right, softcap, scale_softcap, out, tiles, use_tma)
+
+
+def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_left, window_right,
+             softcap, scale_softcap, out, tiles, use_tma) -> Tensor:
+    """Launch :func:`prefill_kernel`: contiguous ``k``/``v`` with ``kv_lens =
+    cu_seqlens_k`` (``block_table is None``), or paged caches with ``kv_lens = seq_lens``."""
+    paged = block_table is not None
     differential = lambda_full is not None
     num_tokens, num_heads, head_size = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k.shape[-2]
     out = output_buffer(q, differential, out)
     if num_tokens == 0:
         return out
     if head_size & (head_size - 1) or head_size < 16:
-        raise ValueError(f"varlen_prefill needs a power-of-two head size >= 16, got {head_size}")
+        raise ValueError(f"the prefill kernel needs a power-of-two head size >= 16, got {head_size}")
     on_gpu = q.is_cuda
     tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu)
     if use_tma is None:
-        use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in (q, k, v))
+        tma_tensors = (q,) if paged else (q, k, v)  # paged K/V: pointer loads
+        use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
                    and tma_ready(out, out.shape[-1]))
     scale = default_scale(scale, head_size)
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
     num_seqs = cu_seqlens_q.shape[0] - 1
     if causal:
@@ -508,7 +666,7 @@ def varlen_prefill(
     window = window_left >= 0
     key = (q.shape, q.stride(), k.shape[1:], k.stride(), v.stride(), out.stride(), q.dtype, num_seqs,
            None if lambda_full is None else lambda_full.numel(), softcap > 0, scale_softcap is None, window,
-           tiles, use_tma, q.get_device())
+           tiles, use_tma, q.get_device(), None if block_table is None else (block_table.shape, block_table.stride()))
     spec = _SPECS.get(key)
     if spec is None:
         constexprs = dict(
@@ -516,19 +674,24 @@ def varlen_prefill(
             LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1,
             SOFTCAP=softcap > 0 or scale_softcap is not None, RUNTIME_SCALARS=scale_softcap is not None,
             WINDOW_LEFT=window, USE_TMA=use_tma, VALUE_SPLIT=differential and tiles.value_split,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1)
         units = (num_heads if tiles.value_split else num_heads // 2) if differential else num_heads
+        # strides: q; k and v as (block, token or slot, head, dim) (block 0 when contiguous); out; table row
+        k_strides = k.stride() if paged else (0, *k.stride())
+        v_strides = v.stride() if paged else (0, *v.stride())
         spec = _SPECS[key] = _Spec(
             grid=(units, num_tokens // tiles.block_m + num_seqs, 1),
-            int_args=(*q.stride(), *k.stride(), *v.stride(), *out.stride()),
+            int_args=(*q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0) if paged else 0),
             constexprs=constexprs, options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     if use_tma and on_gpu and not tracing_launches():
         ensure_triton_allocator()
     placeholder = q  # pointer arguments of disabled features (never read)
-    args = (out, q, k, v, cu_seqlens_q, cu_seqlens_k, placeholder if lambda_full is None else lambda_full,
-            placeholder if scale_softcap is None else scale_softcap, num_seqs, float(scale), float(softcap), min_dist, max_dist, *spec.int_args)
+    args = (out, q, k, v, cu_seqlens_q, kv_lens, placeholder if block_table is None else block_table,
+            placeholder if lambda_full is None else lambda_full,
+            placeholder if scale_softcap is None else scale_softcap, num_seqs, float(scale), float(softcap),
+            min_dist, max_dist, *spec.int_args)
     with device_guard(q):
         # The key holds every specialization (strides, flags, tiles); alignments too.
-        _PREFILL((key, tuple(t.data_ptr() % 16 for t in args[:8]) if not tracing_launches() else ()),
+        _PREFILL((key, tuple(t.data_ptr() % 16 for t in args[:9]) if not tracing_launches() else ()),
                  spec.grid, args, q.get_device(), lambda: (spec.constexprs, spec.options))
     return out
