@@ -18,7 +18,15 @@ long query runs. It is laid out as Triton's Hopper attention tutorial
 * the key range of a tile is cut in three: window-edge tiles (masked), interior tiles
   (every row sees every key: no mask, no ``-inf`` guard) and the diagonal / last partial
   tiles (masked), so causal prefill runs the unmasked loop except on the diagonal;
-* base-2 softmax with ``scale * log2(e)`` folded into one multiply (FMA with the max);
+* base-2 softmax with ``scale * log2(e)`` folded into one multiply (FMA with the max); for a
+  positive scale without softcap (``RAW_MAX``) the row max is taken over unscaled scores and
+  the scale enters the exponent's FMA (no separate multiply of the score tile: 62 fewer
+  instructions a thread per 128x128 step on sm90);
+* an opt-in schedule (:class:`PrefillTiles`): ``warp_specialize`` asks Triton's Hopper warp
+  specialization (Triton 3.6: ``num_warps`` 4 gives a TMA producer warpgroup and two
+  consumer warpgroups of 64 query rows, ``setmaxnreg`` 40/232) for one masked key loop (the
+  pass fails on an early return or several key loops and skips a kernel with a ``while``:
+  the sequence search is unrolled, every tile is masked, by per-row key bounds);
 * grid ``(units, num_q_tiles)``, units fastest: a wave starts the same query tile of
   every head, and the tile axis runs *reversed*, so each sequence's last (causal: heaviest)
   tiles start first and the lightest finish the launch (FlashAttention-3's
@@ -146,10 +154,14 @@ def _load_paged_tile(cache, block, slot, keys_left, head, stride_b, stride_s, st
 
 
 @triton.jit
-def _scores(q, k, qk_scale, scale, softcap, SOFTCAP: tl.constexpr, RUNTIME_SCALARS: tl.constexpr):
+def _scores(q, k, qk_scale, scale, softcap, SOFTCAP: tl.constexpr, RUNTIME_SCALARS: tl.constexpr,
+            RAW_MAX: tl.constexpr):
     """``q kᵀ`` in base-2 log units: scaled by ``qk_scale = scale * log2(e)``, or softcapped
-    (``softcap * tanh(scale * s / softcap)``; with ``RUNTIME_SCALARS`` a softcap of 0 is off)."""
+    (``softcap * tanh(scale * s / softcap)``; with ``RUNTIME_SCALARS`` a softcap of 0 is off).
+    ``RAW_MAX``: unscaled (:func:`_softmax_step` scales them inside its exponent)."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if RAW_MAX:
+        return s
     if SOFTCAP:
         s = s * scale
         if RUNTIME_SCALARS:
@@ -164,17 +176,25 @@ def _scores(q, k, qk_scale, scale, softcap, SOFTCAP: tl.constexpr, RUNTIME_SCALA
 
 
 @triton.jit
-def _softmax_step(m, l, acc, s, v, MASKED: tl.constexpr):
+def _softmax_step(m, l, acc, s, v, qk_scale, MASKED: tl.constexpr, RAW_MAX: tl.constexpr):
     """One online-softmax step of scores ``s`` (base 2, ``-inf`` where masked) against the
     value tile ``v``. Masked steps guard rows that have seen no key yet (max ``-inf``);
-    in unmasked steps every row sees every key, so the running max is finite."""
+    in unmasked steps every row sees every key, so the running max is finite.
+    ``RAW_MAX`` (``qk_scale > 0``): ``s`` and ``m`` are unscaled scores, the max is taken
+    before scaling and the scale enters the exponent as one FMA ``s * qk_scale - m * qk_scale``
+    (FlashAttention-3's form: no separate multiply of the score tile)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     if MASKED:
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new_safe = m_new
-    p = tl.exp2(s - m_new_safe[:, None])
-    alpha = tl.exp2(m - m_new_safe)
+    if RAW_MAX:
+        m_scaled = m_new_safe * qk_scale
+        p = tl.exp2(s * qk_scale - m_scaled[:, None])
+        alpha = tl.exp2(m * qk_scale - m_scaled)
+    else:
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m - m_new_safe)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -187,14 +207,17 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                DIFFERENTIAL: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                RUNTIME_SCALARS: tl.constexpr, USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr,
-               VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+               VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               RAW_MAX: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, WINDOW_LEFT: tl.constexpr, row_lo, row_hi):
     """Key tiles ``[tile_begin, tile_end)`` of one sequence (``k_src``/``v_src`` start there;
     ``PAGED``: they are the caches and ``table_row`` the sequence's block-table row, and
     ``stride_kt``/``stride_vt`` the slot strides): one online-softmax state (plain) or two
     over the same loaded tiles (differential); values ``[BLOCK_N, VALUE_COLS]`` from head
-    ``v_head`` on."""
+    ``v_head`` on. ``WARP_SPECIALIZE``: the loop is warp-specialized and, ``MASKED``, row
+    ``r`` sees keys ``[row_lo[r], row_hi[r]]`` (``row_lo`` read with ``WINDOW_LEFT`` only)
+    in place of the distance bounds; else ``row_lo``/``row_hi`` are not read."""
     offs_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tile_begin, tile_end):
+    for tile in tl.range(tile_begin, tile_end, warp_specialize=WARP_SPECIALIZE):
         start = tile * BLOCK_N
         keys_left = kv_len - start
         if PAGED:  # the tile's block ids, read once for K and V (and k2)
@@ -208,7 +231,7 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
                             BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
             v = _load_tile(v_src, start, keys_left, v_head, stride_vt, stride_vh, stride_vd,
                            BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED, USE_TMA)
-        s1 = _scores(q1, k1, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS)
+        s1 = _scores(q1, k1, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
         if DIFFERENTIAL:
             if PAGED:
                 k2 = _load_paged_tile(k_src, block, slot, keys_left, kv_head + 1, stride_kb, stride_kt, stride_kh,
@@ -216,18 +239,23 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
             else:
                 k2 = _load_tile(k_src, start, keys_left, kv_head + 1, stride_kt, stride_kh, stride_kd,
                                 BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
-            s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS)
+            s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
         if MASKED:
             kpos = start + offs_n
-            in_seq = kpos < kv_len
-            dist = pos[:, None] - kpos[None, :]
-            visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
+            if WARP_SPECIALIZE:  # row r sees keys [row_lo[r], row_hi[r]] (one compare a score, causal)
+                visible = kpos[None, :] <= row_hi[:, None]
+                if WINDOW_LEFT:
+                    visible = visible & (kpos[None, :] >= row_lo[:, None])
+            else:
+                in_seq = kpos < kv_len
+                dist = pos[:, None] - kpos[None, :]
+                visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
             s1 = tl.where(visible, s1, float("-inf"))
             if DIFFERENTIAL:
                 s2 = tl.where(visible, s2, float("-inf"))
-        m1, l1, acc1 = _softmax_step(m1, l1, acc1, s1, v, MASKED)
+        m1, l1, acc1 = _softmax_step(m1, l1, acc1, s1, v, qk_scale, MASKED, RAW_MAX)
         if DIFFERENTIAL:
-            m2, l2, acc2 = _softmax_step(m2, l2, acc2, s2, v, MASKED)
+            m2, l2, acc2 = _softmax_step(m2, l2, acc2, s2, v, qk_scale, MASKED, RAW_MAX)
     return m1, l1, acc1, m2, l2, acc2
 
 
@@ -247,7 +275,8 @@ def prefill_kernel(
     DIFFERENTIAL: tl.constexpr, LAMBDA_PER_PAIR: tl.constexpr, SOFTCAP: tl.constexpr,
     RUNTIME_SCALARS: tl.constexpr, WINDOW_LEFT: tl.constexpr, USE_TMA: tl.constexpr,
     VALUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     """Attention of ``BLOCK_M`` query tokens x one query head (pair) of one sequence.
 
@@ -299,17 +328,27 @@ def prefill_kernel(
     # address as written (it would copy cu_seqlens_q around each launch).
     seq: tl.int32 = 0
     right = num_seqs
-    while seq < right:
-        mid = (seq + right + 1) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile:
-            seq = mid
-        else:
-            right = mid - 1
+    if WARP_SPECIALIZE:
+        # Triton 3.6's Hopper warp specialization leaves a kernel with an scf.while
+        # unspecialized: the same search unrolled SEARCH_STEPS = bit_length(num_seqs) times.
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (seq + right + 1) // 2
+            ok = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile
+            seq = tl.where(ok, mid, seq)
+            right = tl.where(ok, right, mid - 1)
+    else:
+        while seq < right:
+            mid = (seq + right + 1) // 2
+            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile:
+                seq = mid
+            else:
+                right = mid - 1
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     q_first = (q_tile - q_start // BLOCK_M - seq) * BLOCK_M
-    if q_first >= q_len:
-        return
+    if not WARP_SPECIALIZE:  # (an early return makes 3.6's Hopper warp specialization fail)
+        if q_first >= q_len:
+            return
     if PAGED:
         kv_start = 0
         kv_len = tl.load(cu_seqlens_k_ptr + seq)
@@ -384,22 +423,36 @@ def prefill_kernel(
         mid_lo = 0
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, mid_lo), tile_hi)
 
-    if WINDOW_LEFT:
+    if WARP_SPECIALIZE:
+        # One masked loop over every key tile (3.6's Hopper warp specialization takes one
+        # loop); a tile past the sequence's queries (q_first >= q_len) runs no step and its
+        # store is clipped whole.
+        tile_end = tl.where(q_first < q_len, tile_hi, tile_lo)
+        # Per-row visible keys: min_dist <= pos - j <= max_dist and j < kv_len.
+        row_hi = tl.minimum(pos - min_dist, kv_len - 1)
+        row_lo = pos - max_dist
         m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, tile_end,
             pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
-    m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
-        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
-    m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
-        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE)
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, True, WINDOW_LEFT, row_lo, row_hi)
+    else:  # (row bounds unused: pos stands in)
+        if WINDOW_LEFT:
+            m1, l1, acc1, m2, l2, acc2 = _key_steps(
+                m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
+                pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+                HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
+        m1, l1, acc1, m2, l2, acc2 = _key_steps(
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
+            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
+        m1, l1, acc1, m2, l2, acc2 = _key_steps(
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
+            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
 
     if DIFFERENTIAL:
         if LAMBDA_PER_PAIR:
@@ -440,6 +493,7 @@ class PrefillTiles(NamedTuple):
     num_warps: int
     num_stages: int
     value_split: bool = False
+    warp_specialize: bool = False  # Triton's Hopper warp specialization (num_warps 4: 3 warpgroups run)
 
 
 # Hopper tiles (bf16/fp16), by (head size, differential), from ptxas on sm90 with Triton 3.6
@@ -450,20 +504,29 @@ class PrefillTiles(NamedTuple):
 # SWEEP_TILES. A differential 64-row tile (D 128 unsplit) makes Triton replicate the score
 # dot across both warpgroups (mma warpsPerCTA [8, 1] over 64 rows) and spill: avoided.
 HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
-    (64, False): PrefillTiles(128, 128, 8, 3),  # 195 registers, 113 KiB shared
-    (128, False): PrefillTiles(128, 128, 8, 2),  # 188 registers, 161 KiB
+    (64, False): PrefillTiles(128, 128, 8, 3),  # 217 registers (RAW_MAX), 113 KiB shared
+    (128, False): PrefillTiles(128, 128, 8, 2),  # 209 registers (RAW_MAX), 161 KiB
     (256, False): PrefillTiles(128, 32, 8, 2),  # 198 registers, 128 KiB
-    (64, True): PrefillTiles(128, 32, 8, 3),  # 229 registers, 81 KiB
-    (128, True): PrefillTiles(128, 32, 8, 3, value_split=True),  # 240 registers, 136 KiB
+    (64, True): PrefillTiles(128, 32, 8, 3),  # 218 registers (RAW_MAX), 81 KiB
+    (128, True): PrefillTiles(128, 32, 8, 3, value_split=True),  # 234 registers (RAW_MAX), 136 KiB
 }
+# ``warp_specialize`` tiles (Triton 3.6, sm90, no spills): num_warps 4 = 12 warps run,
+# setmaxnreg 40/232, ptxas reports maxnreg 168.
+_WS = dict(warp_specialize=True)
 # Alternatives the benchmark times against HOPPER_TILES (also spill-free or nearly so).
 SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
-    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4)),
-    (128, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 3), PrefillTiles(64, 64, 4, 3)),
-    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2)),
-    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3)),
+    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4),
+                  PrefillTiles(128, 128, 4, 3, **_WS)),  # 129 KiB
+    (128, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 3), PrefillTiles(64, 64, 4, 3),
+                   PrefillTiles(128, 128, 4, 2, **_WS),  # 193 KiB
+                   PrefillTiles(128, 64, 4, 4, **_WS)),  # 193 KiB
+    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2),
+                   PrefillTiles(128, 32, 4, 2, **_WS)),  # 193 KiB
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3),
+                 PrefillTiles(128, 64, 4, 2, **_WS)),  # 129 KiB
     (128, True): (PrefillTiles(128, 64, 8, 2, value_split=True), PrefillTiles(64, 64, 8, 2),
-                  PrefillTiles(64, 32, 8, 3)),
+                  PrefillTiles(64, 32, 8, 3),
+                  PrefillTiles(128, 32, 4, 3, value_split=True, **_WS)),  # 169 KiB
 }
 INTERPRETER_TILES = PrefillTiles(16, 16, 4, 1)  # CPU tensors (the interpreter): small tiles
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the query tiles)
@@ -665,8 +728,9 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
     max_dist = window_left if window_left >= 0 else UNBOUNDED
     window = window_left >= 0
     key = (q.shape, q.stride(), k.shape[1:], k.stride(), v.stride(), out.stride(), q.dtype, num_seqs,
-           None if lambda_full is None else lambda_full.numel(), softcap > 0, scale_softcap is None, window,
-           tiles, use_tma, q.get_device(), None if block_table is None else (block_table.shape, block_table.stride()))
+           None if lambda_full is None else lambda_full.numel(), softcap > 0, scale_softcap is None, scale > 0,
+           window, tiles, use_tma, q.get_device(),
+           None if block_table is None else (block_table.shape, block_table.stride()))
     spec = _SPECS.get(key)
     if spec is None:
         constexprs = dict(
@@ -674,7 +738,9 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
             LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1,
             SOFTCAP=softcap > 0 or scale_softcap is not None, RUNTIME_SCALARS=scale_softcap is not None,
             WINDOW_LEFT=window, USE_TMA=use_tma, VALUE_SPLIT=differential and tiles.value_split,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1)
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1,
+            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0, WARP_SPECIALIZE=tiles.warp_specialize,
+            SEARCH_STEPS=num_seqs.bit_length() if tiles.warp_specialize else 0)
         units = (num_heads if tiles.value_split else num_heads // 2) if differential else num_heads
         # strides: q; k and v as (block, token or slot, head, dim) (block 0 when contiguous); out; table row
         k_strides = k.stride() if paged else (0, *k.stride())
