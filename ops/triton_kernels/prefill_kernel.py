@@ -1,10 +1,12 @@
-"""A prefill kernel for contiguous varlen attention, specialised for Hopper (sm90).
+"""A prefill kernel for varlen attention, contiguous or paged K/V, specialised for Hopper (sm90).
 
 The unified kernel (:mod:`.attention_kernel`) serves every batch: paged or contiguous K/V,
 decode and prefill rows mixed, GQA group rows packed into one tile, split-KV. This kernel
-serves one case only, the ``varlen_attention`` op's: packed contiguous ``q``/``k``/``v``,
-long query runs. It is laid out as Triton's Hopper attention tutorial
-(``python/tutorials/06-fused-attention.py``, Triton 3.6) and FlashAttention-3's forward:
+serves long query runs only: the ``varlen_attention`` op's packed contiguous
+``q``/``k``/``v`` (:func:`varlen_prefill`) and, ``PAGED``, chunked prefill over the paged
+cache of ``paged_attention`` (:func:`paged_prefill`, below). It is laid out as Triton's
+Hopper attention tutorial (``python/tutorials/06-fused-attention.py``, Triton 3.6) and
+FlashAttention-3's forward:
 
 * one program = ``BLOCK_M`` query tokens x one query head (plain) or one query head pair
   (differential; or, ``VALUE_SPLIT``, a pair and one of its two value heads), the query
@@ -22,11 +24,13 @@ long query runs. It is laid out as Triton's Hopper attention tutorial
   positive scale without softcap (``RAW_MAX``) the row max is taken over unscaled scores and
   the scale enters the exponent's FMA (no separate multiply of the score tile: 62 fewer
   instructions a thread per 128x128 step on sm90);
-* an opt-in schedule (:class:`PrefillTiles`): ``warp_specialize`` asks Triton's Hopper warp
-  specialization (Triton 3.6: ``num_warps`` 4 gives a TMA producer warpgroup and two
-  consumer warpgroups of 64 query rows, ``setmaxnreg`` 40/232) for one masked key loop (the
-  pass fails on an early return or several key loops and skips a kernel with a ``while``:
-  the sequence search is unrolled, every tile is masked, by per-row key bounds);
+* a schedule of :class:`PrefillTiles` (the plain D 128 default): ``warp_specialize`` asks
+  Triton's Hopper warp specialization (Triton 3.6: ``num_warps`` 4 gives a TMA producer
+  warpgroup and two consumer warpgroups of 64 query rows, ``setmaxnreg`` 40/232) for one
+  masked key loop (the pass fails on an early return or several key loops and skips a
+  kernel with a ``while``: the sequence search is unrolled, every tile is masked, by
+  per-row key bounds). It needs K/V through TMA: with pointer loads (paged caches,
+  contiguous K/V without TMA) the pass fails, and those calls take :data:`PAGED_TILES`;
 * grid ``(units, num_q_tiles)``, units fastest: a wave starts the same query tile of
   every head, and the tile axis runs *reversed*, so each sequence's last (causal: heaviest)
   tiles start first and the lightest finish the launch (FlashAttention-3's
@@ -39,11 +43,15 @@ Shapes (token-major, as ``flash_attn_varlen_func``)::
     cu_seqlens_q, cu_seqlens_k   [B + 1] int32
     lambda_full  [] or [Hq / 2] (differential only)
     out      [Tq, Hq, D]  plain;  [Tq, Hq / 2, 2D] differential ([v1 | v2] columns)
+    paged (in place of k, v, cu_seqlens_k):
+    key_cache, value_cache   [num_blocks, block_size, Hkv, D]   (q's dtype)
+    block_table  [B, max_blocks] int32;  seq_lens  [B] int32 (keys of b, its new tokens included)
 
 Varlen without a host sync: ``num_q_tiles = Tq // BLOCK_M + B`` bounds the query tiles of
 all sequences (sequence ``b`` owns tiles ``cu_seqlens_q[b] // BLOCK_M + b`` onwards); a
 program finds its sequence by a binary search over ``cu_seqlens_q`` written inline (see
-the note in :func:`prefill_kernel`) and exits when its tile is past the sequence's queries.
+the note in :func:`prefill_kernel`) and exits when its tile is past the sequence's queries
+(warp-specialized: runs no key step and stores nothing).
 
 Math: the online softmax of FlashAttention-2 (Dao 2023, arXiv 2307.08691, §3.1 and
 algorithm 1) in base 2; masks as ``flash_attn_varlen_func`` (bottom-right aligned: query
@@ -70,7 +78,8 @@ tile reads its ``BLOCK_N // block_size`` block ids once (one id when a block hol
 tile) and loads its rows with pointer loads, which Triton's pipeliner turns into cp.async
 copies into the shared buffers that wgmma reads (at 3+ stages the id load is pipelined a
 stage ahead as well); q and out keep TMA. Masks, windows, softcap, GQA and differential
-pairs as above, with ``k_len = seq_lens[b]``.
+pairs as above, with ``k_len = seq_lens[b]``. Paged calls run at :data:`PAGED_TILES` (never
+warp-specialized).
 """
 
 from __future__ import annotations
@@ -303,6 +312,12 @@ def prefill_kernel(
             (``v1`` or ``v2``, output columns ``[0, D)`` or ``[D, 2D)``), each running both
             softmaxes: half the accumulators of a program (so 128-row tiles fit in
             registers at D 128) for twice the score dots.
+        RAW_MAX: the launcher's ``scale > 0`` without softcap: scores stay unscaled through
+            the row max (:func:`_softmax_step`).
+        WARP_SPECIALIZE: one masked, warp-specialized key loop (Triton's Hopper warp
+            specialization; needs ``USE_TMA`` and not ``PAGED``: Triton 3.6 fails to lower
+            it over pointer loads), no early return, the sequence search unrolled
+            ``SEARCH_STEPS = bit_length(B)`` times (no ``while``).
     """
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS  # query heads (pairs) per KV head (pair)
     VALUE_COLS: tl.constexpr = 2 * HEAD_SIZE if DIFFERENTIAL and not VALUE_SPLIT else HEAD_SIZE
@@ -486,7 +501,8 @@ def prefill_kernel(
 class PrefillTiles(NamedTuple):
     """``block_m`` query tokens x ``block_n`` keys per step; Triton launch options;
     ``value_split`` (differential): one program per value head of a pair (see
-    :func:`prefill_kernel`'s ``VALUE_SPLIT``)."""
+    :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``warp_specialize``: the warp-specialized
+    schedule (``WARP_SPECIALIZE``; contiguous K/V through TMA only)."""
 
     block_m: int
     block_n: int
@@ -496,37 +512,78 @@ class PrefillTiles(NamedTuple):
     warp_specialize: bool = False  # Triton's Hopper warp specialization (num_warps 4: 3 warpgroups run)
 
 
-# Hopper tiles (bf16/fp16), by (head size, differential), from ptxas on sm90 with Triton 3.6
-# (tests/compile_prefill_sm90.py: registers a thread, no spills at these tiles). Float32
-# accumulators per program: plain block_m x D; differential 2 x block_m x 2D, or with
-# value_split 2 x block_m x D (at 8 warps 32768 floats are 128 registers a thread). Not yet
-# timed on the H200: profiling/bench_kernels.py --parts prefill times the alternatives in
-# SWEEP_TILES. A differential 64-row tile (D 128 unsplit) makes Triton replicate the score
-# dot across both warpgroups (mma warpsPerCTA [8, 1] over 64 rows) and spill: avoided.
+# Hopper tiles (bf16/fp16) for K/V through TMA (contiguous), by (head size, differential);
+# registers a thread and shared memory from ptxas on sm90 with Triton 3.6
+# (tests/compile_prefill_sm90.py). Float32 accumulators per program: plain block_m x D;
+# differential 2 x block_m x 2D, or with value_split 2 x block_m x D (at 8 warps 32768
+# floats are 128 registers a thread). A differential 64-row tile (D 128 unsplit) makes
+# Triton replicate the score dot across both warpgroups (mma warpsPerCTA [8, 1] over 64
+# rows) and spills: avoided. D 128 chosen on the H200 (2026-12-01, bf16, causal, Hq 32,
+# Hkv 8; profiling/bench_kernels.py --parts prefill; ms at B=8 S=2048 / 64 sequences of
+# 128-4096 tokens; the unified kernel 0.806 / 9.02 plain, 1.666 / 18.6 differential):
+# plain 128x128 w4 s2 warp_specialize 0.704 / 8.14 (128x128 w8 s2, the former default,
+# 0.828 / 9.26; next 64x64 w4 s3 0.731 / 9.03, 128x128 w8 s3 0.764 / 8.36); differential
+# 128x64 w8 s2 split 1.451 / 16.53 (128x32 w8 s3 split, the former default, 1.660 / 19.14).
+# D 64 and 256: not timed yet.
 HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
-    (64, False): PrefillTiles(128, 128, 8, 3),  # 217 registers (RAW_MAX), 113 KiB shared
-    (128, False): PrefillTiles(128, 128, 8, 2),  # 209 registers (RAW_MAX), 161 KiB
+    (64, False): PrefillTiles(128, 128, 8, 3),  # 211 registers, 113 KiB shared
+    (128, False): PrefillTiles(128, 128, 4, 2, warp_specialize=True),  # 168 registers (maxnreg), 193 KiB
     (256, False): PrefillTiles(128, 32, 8, 2),  # 198 registers, 128 KiB
-    (64, True): PrefillTiles(128, 32, 8, 3),  # 218 registers (RAW_MAX), 81 KiB
-    (128, True): PrefillTiles(128, 32, 8, 3, value_split=True),  # 234 registers (RAW_MAX), 136 KiB
+    (64, True): PrefillTiles(128, 32, 8, 3),  # 216 registers, 81 KiB
+    # 255 registers and a small spill with Triton 3.6 (44 bytes stored, 84 loaded a thread;
+    # 252 / 364 with per-call scalars and a window; none with 3.9), timed with it: still the
+    # fastest differential tile
+    (128, True): PrefillTiles(128, 64, 8, 2, value_split=True),  # 160 KiB
 }
-# ``warp_specialize`` tiles (Triton 3.6, sm90, no spills): num_warps 4 = 12 warps run,
-# setmaxnreg 40/232, ptxas reports maxnreg 168.
+# ``warp_specialize`` (Triton 3.6, sm90, no spills): num_warps 4 runs 12 warps (one
+# producer warpgroup), setmaxnreg 40/232, ptxas reports maxnreg 168.
 _WS = dict(warp_specialize=True)
-# Alternatives the benchmark times against HOPPER_TILES (also spill-free or nearly so).
+# Alternatives the benchmark times against HOPPER_TILES (the former defaults among them).
 SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
     (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4),
                   PrefillTiles(128, 128, 4, 3, **_WS)),  # 129 KiB
-    (128, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 3), PrefillTiles(64, 64, 4, 3),
-                   PrefillTiles(128, 128, 4, 2, **_WS),  # 193 KiB
-                   PrefillTiles(128, 64, 4, 4, **_WS)),  # 193 KiB
+    (128, False): (PrefillTiles(128, 128, 8, 2),  # 0.828 / 9.26 ms
+                   PrefillTiles(128, 128, 8, 3),  # 0.764 / 8.36
+                   PrefillTiles(128, 64, 8, 3),  # 0.776 / 8.61
+                   PrefillTiles(64, 64, 4, 3),  # 0.731 / 9.03
+                   PrefillTiles(128, 64, 4, 4, **_WS)),  # 0.781 / 8.71, 193 KiB
     (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2),
                    PrefillTiles(128, 32, 4, 2, **_WS)),  # 193 KiB
     (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3),
                  PrefillTiles(128, 64, 4, 2, **_WS)),  # 129 KiB
-    (128, True): (PrefillTiles(128, 64, 8, 2, value_split=True), PrefillTiles(64, 64, 8, 2),
-                  PrefillTiles(64, 32, 8, 3),
-                  PrefillTiles(128, 32, 4, 3, value_split=True, **_WS)),  # 169 KiB
+    (128, True): (PrefillTiles(128, 32, 8, 3, value_split=True),  # 1.660 / 19.14 ms
+                  PrefillTiles(64, 64, 8, 2),  # 1.555 / 17.98
+                  PrefillTiles(64, 32, 8, 3),  # 1.892 / 21.62
+                  PrefillTiles(128, 32, 4, 3, value_split=True, **_WS)),  # 1.555 / 18.04, 169 KiB
+}
+# Tiles of K/V read by pointer loads: paged prefill (chunked prefill over a paged cache)
+# and contiguous K/V without TMA (not tma_ready, or a GPU before sm90). ``PAGED`` reads each
+# key tile's BLOCK_N // block_size block ids once and loads K/V rows with pointer loads,
+# which Triton pipelines as cp.async straight into the swizzled shared buffers that wgmma
+# reads (no register copy; at 3+ stages the id load itself is pipelined a stage ahead);
+# q and out through TMA. (TMA for K/V would need one [block_size, D] box per block: Triton
+# 3.6 then copies each box shared -> registers, joins them and stores the tile back to shared
+# for wgmma, and the dots turn synchronous; TMA gather is sm100 only.) No warp_specialize
+# here: Triton 3.6's Hopper warp specialization fails to lower a loop of pointer loads
+# (make_ttgir), paged or contiguous. The former HOPPER_TILES, all spill-free for sm90 at
+# block 16 (tests/compile_prefill_sm90.py: plain D 128 243 registers, 160 KiB). On the H200
+# (2026-12-01, B=8, 512 new tokens after 4096 cached, block 16, plain D 128, before RAW_MAX
+# reached this path): paged 0.830 ms against the unified kernel's 1.169 and contiguous
+# 128x128 w8 s2's 0.720 (paged / contiguous 1.15-1.17, target <= 1.1);
+# profiling/bench_kernels.py --parts prefill times PAGED_SWEEP_TILES (spill-free too).
+PAGED_TILES: dict[tuple[int, bool], PrefillTiles] = {
+    (64, False): PrefillTiles(128, 128, 8, 3),
+    (128, False): PrefillTiles(128, 128, 8, 2),
+    (256, False): PrefillTiles(128, 32, 8, 2),
+    (64, True): PrefillTiles(128, 32, 8, 3),
+    (128, True): PrefillTiles(128, 32, 8, 3, value_split=True),
+}
+PAGED_SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
+    (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2)),
+    (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3)),
+    (256, False): (PrefillTiles(128, 32, 8, 3),),
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2)),
+    (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True)),
 }
 INTERPRETER_TILES = PrefillTiles(16, 16, 4, 1)  # CPU tensors (the interpreter): small tiles
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the query tiles)
@@ -534,21 +591,27 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the query tiles)
 
 def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, alibi_slopes: Tensor | None) -> bool:
     """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call on a GPU:
-    fp16/bf16, head sizes in :data:`HOPPER_TILES`, no ALiBi, a grid within CUDA's limits.
-    Reads shapes and dtypes only."""
+    fp16/bf16, head sizes in :data:`HOPPER_TILES`, no ALiBi, a grid within CUDA's limits
+    (at either table's tiles: :func:`choose_prefill_tiles`). Reads shapes and dtypes only."""
     if alibi_slopes is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if k.dtype != q.dtype or v.dtype != q.dtype or k.shape[-1] != q.shape[-1]:
         return False
-    tiles = HOPPER_TILES.get((q.shape[-1], lambda_full is not None))
-    return tiles is not None and q.shape[0] // tiles.block_m + 1 <= MAX_GRID_Y
+    key = (q.shape[-1], lambda_full is not None)
+    if key not in HOPPER_TILES:
+        return False
+    block_m = min(HOPPER_TILES[key].block_m, PAGED_TILES[key].block_m)
+    return q.shape[0] // block_m + 1 <= MAX_GRID_Y
 
 
-def choose_prefill_tiles(head_size: int, differential: bool, dtype: torch.dtype, on_gpu: bool) -> PrefillTiles:
-    """Tiles from shapes only: :data:`HOPPER_TILES` on a GPU, small tiles otherwise."""
+def choose_prefill_tiles(head_size: int, differential: bool, dtype: torch.dtype, on_gpu: bool,
+                         kv_tma: bool) -> PrefillTiles:
+    """Tiles from shapes only: on a GPU :data:`HOPPER_TILES` when K/V go through TMA
+    (``kv_tma``), else :data:`PAGED_TILES` (K/V by pointer loads: paged caches, or
+    contiguous K/V without TMA; no warp specialization); small tiles on the CPU."""
     if not on_gpu:
         return INTERPRETER_TILES
-    tiles = HOPPER_TILES.get((head_size, differential))
+    tiles = (HOPPER_TILES if kv_tma else PAGED_TILES).get((head_size, differential))
     if tiles is None or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"no Hopper prefill tiles for head size {head_size}, differential={differential}, "
                          f"{dtype}; check covers() first")
@@ -618,10 +681,12 @@ def varlen_prefill(
         lambda_full: ``[]`` or ``[Hq/2]``: differential; ``None``: plain.
         out: optional output buffer (``[Tq, Hq, D]`` or ``[Tq, Hq/2, 2D]``, q's dtype, last
             dim contiguous).
-        tiles: override :func:`choose_prefill_tiles` (tests, tile sweeps).
+        tiles: override :func:`choose_prefill_tiles` (tests, tile sweeps; default on a GPU:
+            :data:`HOPPER_TILES` with TMA, else :data:`PAGED_TILES`).
         use_tma: force TMA descriptors on (``True``, q, k, v and out must pass
             :func:`tma_ready`) or off; default: on for CUDA tensors of an sm90+ GPU that
             pass it, off for CPU tensors (the interpreter tests force it on).
+            ``warp_specialize`` tiles without TMA raise ``ValueError``.
 
     Returns:
         ``out``.
@@ -630,26 +695,6 @@ def varlen_prefill(
         raise ValueError("varlen_prefill has no ALiBi: use the unified kernel (varlen_attention)")
     return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_left, window_right,
                     softcap, scale_softcap, out, tiles, use_tma)
-
-
-# Paged prefill (chunked prefill over a paged cache) on this kernel: ``PAGED`` reads each
-# key tile's BLOCK_N // block_size block ids once and loads K/V rows with pointer loads,
-# which Triton pipelines as cp.async straight into the swizzled shared buffers that wgmma
-# reads (no register copy; at 3+ stages the id load itself is pipelined a stage ahead);
-# q and out through TMA. (TMA for K/V would need one [block_size, D] box per block: Triton
-# 3.6 then copies each box shared -> registers, joins them and stores the tile back to shared
-# for wgmma, and the dots turn synchronous; TMA gather is sm100 only.) Tiles as HOPPER_TILES,
-# all spill-free for sm90 at block 16 (tests/compile_prefill_sm90.py: plain D 128 235
-# registers, 160 KiB); not yet timed on the H200: profiling/bench_kernels.py --parts
-# prefill times PAGED_SWEEP_TILES (spill-free too) against contiguous prefill.
-PAGED_TILES: dict[tuple[int, bool], PrefillTiles] = dict(HOPPER_TILES)
-PAGED_SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
-    (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2)),
-    (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3)),
-    (256, False): (PrefillTiles(128, 32, 8, 3),),
-    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2)),
-    (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True)),
-}
 
 
 def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_seqs: int,
@@ -683,15 +728,14 @@ def paged_prefill(
     block_size, Hkv, D]`` (query's dtype, power-of-two ``block_size``) through
     ``block_table`` ``[B, max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its
     new tokens included, causal bottom-right aligned). ``tiles``: default
-    :data:`PAGED_TILES` on a GPU; ``use_tma``: TMA for q and out (K/V always pointer loads).
-    No ALiBi, no float8 cache (:func:`covers_paged`)."""
+    :data:`PAGED_TILES` on a GPU (``warp_specialize`` tiles raise ``ValueError``: Triton
+    3.6 cannot lower them over the paged pointer loads); ``use_tma``: TMA for q and out
+    (K/V always pointer loads). No ALiBi, no float8 cache (:func:`covers_paged`)."""
     if alibi_slopes is not None or key_cache.dtype != query.dtype:
         raise ValueError("paged_prefill has no ALiBi and no float8 cache: use the unified kernel (paged_attention)")
     block_size = key_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"paged_prefill needs a power-of-two block size, got {block_size}")
-    if tiles is None and query.is_cuda:
-        tiles = PAGED_TILES.get((query.shape[-1], lambda_full is not None))
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     return _prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
@@ -712,11 +756,15 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
     if head_size & (head_size - 1) or head_size < 16:
         raise ValueError(f"the prefill kernel needs a power-of-two head size >= 16, got {head_size}")
     on_gpu = q.is_cuda
-    tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu)
     if use_tma is None:
         tma_tensors = (q,) if paged else (q, k, v)  # paged K/V: pointer loads
         use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
                    and tma_ready(out, out.shape[-1]))
+    kv_tma = use_tma and not paged
+    tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu, kv_tma)
+    if tiles.warp_specialize and not kv_tma:
+        raise ValueError("warp_specialize tiles need K/V through TMA (contiguous K/V, use_tma): Triton's Hopper "
+                         "warp specialization does not lower pointer loads; use PAGED_TILES")
     scale = default_scale(scale, head_size)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
