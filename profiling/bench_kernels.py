@@ -153,10 +153,14 @@ def prefill_rows() -> list[ResultRow]:
     rows.append(ResultRow(f"{case} differential: seed 4 SDPA calls / ours", "ms", _eager_ms(seed),
                           "ours ms", fused, ">= 2.0"))
     try:  # the Hopper kernel has not run on a GPU before: its failure must not cost the rows above
-        return rows + hopper_prefill_rows()
+        rows += hopper_prefill_rows()
     except Exception as err:
         print(f"hopper prefill rows FAILED: {type(err).__name__}: {str(err)[:300]}")
-        return rows
+    try:  # nor the paged path of the Hopper kernel's
+        rows += hopper_paged_prefill_rows()
+    except Exception as err:
+        print(f"hopper paged prefill rows FAILED: {type(err).__name__}: {str(err)[:300]}")
+    return rows
 
 
 def _varlen_batches() -> dict[str, list[int]]:
@@ -200,7 +204,7 @@ def hopper_prefill_rows() -> list[ResultRow]:
                                   "bf16 tolerance", 0.02, "<= 1.0"))
             for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
                 label = (f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
-                         + (" split" if tiles.value_split else ""))
+                         + (" split" if tiles.value_split else "") + (" ws" if tiles.warp_specialize else ""))
                 try:
                     ms = _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam_arg, tiles=tiles))
                 except Exception as err:  # a tile that does not compile or launch here: report, go on
@@ -230,6 +234,51 @@ def hopper_prefill_rows() -> list[ResultRow]:
                                           "hopper ms", _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu)), ">= 1.0"))
                 except RuntimeError as err:
                     print(f"SDPA cuDNN unavailable: {str(err)[:200]}")
+    return rows
+
+
+def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
+    """The Hopper prefill kernel's paged path (``prefill_kernel.paged_prefill``, not yet the
+    default: ``attention.PAGED_PREFILL_KERNEL``) on the issue's paged prefill, ``batch``
+    sequences each computing ``chunk`` new tokens over ``prefix + chunk`` keys in blocks of
+    16 (randomly permuted, as :func:`decode_inputs`), causal: against the same kernel over
+    contiguous K/V of the same shapes (issue 12, item 3: paged <= 1.1x contiguous), at
+    :data:`PAGED_TILES` and each alternative in ``PAGED_SWEEP_TILES``; plus the unified
+    kernel's paged time and the largest difference from it (bf16 rounding)."""
+    from compiled_attn.ops.triton_kernels.prefill_kernel import (HOPPER_TILES, PAGED_SWEEP_TILES, PAGED_TILES,
+                                                                 paged_prefill, varlen_prefill)
+
+    context = prefix + chunk
+    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
+    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    args = (query, key_cache, value_cache, cu_q, seq_lens, table)
+    # The same keys, contiguous: sequence b's blocks gathered in table order.
+    k, v = (cache[table.long()].reshape(batch * context, HKV, D) for cache in (key_cache, value_cache))
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * context
+    case = f"paged prefill B={batch} {chunk} new after {prefix} cached, block {BLOCK}"
+    unified = _eager_ms(lambda: triton_kernels.paged_attention(*args))
+    diff = (paged_prefill(*args).float() - triton_kernels.paged_attention(*args).float()).abs().max().item()
+    rows = [ResultRow(f"{case}: hopper paged max |diff| vs unified", "abs", diff, "bf16 tolerance", 0.02, "<= 1.0")]
+    default = PAGED_TILES[(D, False)]
+    for tiles in (default, *PAGED_SWEEP_TILES[(D, False)]):
+        label = f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
+        try:
+            paged_ms = _eager_ms(lambda: paged_prefill(*args, tiles=tiles))
+            contiguous_ms = _eager_ms(lambda: varlen_prefill(query, k, v, cu_q, cu_k, tiles=tiles))
+        except Exception as err:  # a tile that does not compile or launch here: report, go on
+            print(f"hopper paged {label} failed: {str(err)[:300]}")
+            continue
+        mark = " (default)" if tiles == default else ""
+        rows.append(ResultRow(f"{case}: hopper paged / contiguous, both {label}{mark}", "ms", paged_ms,
+                              "hopper contiguous ms", contiguous_ms))
+        rows.append(ResultRow(f"{case}: unified / hopper paged {label}{mark}", "ms", unified, "hopper paged ms",
+                              paged_ms, ">= 1.0" if mark else ""))
+    # The issue's target: paged at its default tiles against contiguous at its own.
+    rows.append(ResultRow(f"{case}: hopper paged (default) / hopper contiguous (default)", "ms",
+                          _eager_ms(lambda: paged_prefill(*args)), "hopper contiguous ms",
+                          _eager_ms(lambda: varlen_prefill(query, k, v, cu_q, cu_k, tiles=HOPPER_TILES[(D, False)])),
+                          "<= 1.1"))
     return rows
 
 

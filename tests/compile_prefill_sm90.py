@@ -2,7 +2,8 @@
 
 Run as a script in a process without ``TRITON_INTERPRET``: :func:`varlen_prefill` runs on
 small CPU tensors with its launches recorded instead of made (as ``compile_sm90.py``), at
-the :data:`HOPPER_TILES` of each case and with TMA descriptors on; each recorded launch
+the :data:`HOPPER_TILES` of each case (plain D 128 warp-specialized) and with TMA
+descriptors on, and paged at :data:`PAGED_TILES` (:data:`PAGED_CASES`); each recorded launch
 goes through ``triton.compile`` for sm90 down to the cubin, then Triton's bundled
 ``ptxas -v`` reports registers and spills of the PTX. Prints one JSON list of
 ``{case, tiles, shared, registers, spill_stores, spill_loads}``.
@@ -24,7 +25,8 @@ from compile_sm90 import compile_for_sm90, ptxas_usage, record_launches  # noqa:
 
 def recorded_launches() -> list[tuple[str, object, dict, dict]]:
     """``(case, kernel, arguments by name, options)``: bf16 causal prefill at the Hopper
-    tiles, plain and differential, D 64 and 128 (D 256 plain), GQA 4."""
+    tiles, plain and differential, D 64 and 128 (D 256 plain), GQA 4; and paged prefill at
+    :data:`PAGED_CASES`."""
     import importlib
 
     # (the package's name ``prefill_kernel`` is the kernel; the module is in sys.modules)
@@ -40,7 +42,24 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
         kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
         lam = torch.full((16,), 0.5) if differential else None
         prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=tiles, use_tma=True)
+    for block_size, only in PAGED_CASES:
+        for (head_size, differential), tiles in prefill.PAGED_TILES.items():
+            if only is not None and (head_size, differential) not in only:
+                continue
+            case[0] = f"paged b{block_size} {'differential' if differential else 'plain'} d{head_size} bf16"
+            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+            cache = torch.randn(64, block_size, 8, head_size, generator=g).to(torch.bfloat16)
+            table = torch.randperm(64, generator=g).to(torch.int32).view(2, 32)
+            seq_lens = torch.tensor([1124, 1380], dtype=torch.int32)
+            lam = torch.full((16,), 0.5) if differential else None
+            prefill.paged_prefill(q, cache, cache, cu, seq_lens, table, lam, tiles=tiles, use_tma=True)
     return launches
+
+
+# Paged prefill (``prefill.paged_prefill``: K/V by pointer loads from the tile's blocks):
+# block 16 (the engine's) at every PAGED_TILES case; blocks 64 and 256 (a tile in one or
+# in several blocks without the broadcast of ids) at plain D 128.
+PAGED_CASES = ((16, None), (64, {(128, False)}), (256, {(128, False)}))
 
 
 def main() -> None:
@@ -48,7 +67,8 @@ def main() -> None:
     for case, kernel, kwargs, options in recorded_launches():
         compiled = compile_for_sm90(kernel, kwargs, options)
         assert "cubin" in compiled.asm, "no cubin"
-        tiles = f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{options['num_warps']} s{options['num_stages']}"
+        tiles = (f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{options['num_warps']} s{options['num_stages']}"
+                 + (" split" if kwargs["VALUE_SPLIT"] else "") + (" ws" if kwargs["WARP_SPECIALIZE"] else ""))
         report.append({"case": case, "tiles": tiles, "shared": compiled.metadata.shared,
                        **ptxas_usage(compiled.asm["ptx"])})
     print(json.dumps(report))

@@ -29,8 +29,11 @@ from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
 from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
     HOPPER_TILES,
+    PAGED_SWEEP_TILES,
+    PAGED_TILES,
     SWEEP_TILES,
     PrefillTiles,
+    choose_prefill_tiles,
     covers,
     varlen_prefill,
 )
@@ -46,6 +49,7 @@ if INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3
 SMALL = PrefillTiles(16, 16, 4, 1)
 TALL = PrefillTiles(32, 16, 4, 1)  # block_m != block_n
 SPLIT = PrefillTiles(16, 16, 4, 1, value_split=True)
+WS = PrefillTiles(16, 16, 4, 1, warp_specialize=True)  # the warp-specialized schedule's code path
 
 
 def run(q_lens, k_lens=None, *, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
@@ -132,6 +136,34 @@ def test_many_sequences():
     run(q_lens, k_lens, num_heads=2, num_kv_heads=1, seed=6)
 
 
+@pytest.mark.parametrize("kind", ["plain", "diff-pair", "diff-split"])
+def test_warp_specialized(kind):
+    """``warp_specialize`` tiles (TMA K/V): one masked key loop with per-row key bounds, no
+    early return (tiles past a sequence's queries, a sequence without queries), the sequence
+    search unrolled; causal, windows and softcap (the interpreter ignores the loop's
+    ``warp_specialize`` itself)."""
+    lam = None if kind == "plain" else make_lambda(4, per_pair=True, seed=len(kind))
+    tiles = WS._replace(value_split=kind == "diff-split")
+    run(LENS_Q, LENS_K, lam=lam, tiles=tiles, use_tma=True, seed=31)
+    run([5, 0, 37, 1], [9, 4, 37, 1], lam=lam, tiles=tiles._replace(block_m=32), use_tma=True, seed=32)
+    run([40, 2, 17], [40, 9, 30], lam=lam, tiles=tiles, use_tma=True, window_size=(7, -1), softcap=2.0, seed=33)
+    run([40, 2, 17], [40, 9, 30], lam=lam, tiles=tiles, use_tma=True, causal=False, window_size=(5, 3), seed=34)
+    run([19, 4], [19, 11], lam=lam, tiles=tiles, use_tma=True, scale_softcap=[0.3, 3.0], seed=35)
+
+
+def test_warp_specialized_needs_tma():
+    """Triton's Hopper warp specialization does not lower pointer loads of K/V: the
+    launcher refuses ``warp_specialize`` tiles without TMA, and picks tiles without it
+    (:data:`PAGED_TILES`) when K/V cannot go through TMA."""
+    with pytest.raises(ValueError, match="warp_specialize"):
+        run([5], tiles=WS, use_tma=False)
+    for key in HOPPER_TILES:
+        assert choose_prefill_tiles(*key, torch.bfloat16, True, kv_tma=True) == HOPPER_TILES[key]
+        assert choose_prefill_tiles(*key, torch.bfloat16, True, kv_tma=False) == PAGED_TILES[key]
+    assert HOPPER_TILES[(128, False)].warp_specialize  # the schedule the H200 timed fastest
+    assert not any(t.warp_specialize for t in (*PAGED_TILES.values(), *sum(PAGED_SWEEP_TILES.values(), ())))
+
+
 def test_covers_and_routing_switch():
     """The predicate takes fp16/bf16 D 64/128/256 (differential 64/128) without ALiBi; the
     op keeps the unified kernel until ``PREFILL_KERNEL`` is flipped."""
@@ -147,20 +179,30 @@ def test_covers_and_routing_switch():
     assert set(SWEEP_TILES) == set(HOPPER_TILES)
 
 
+# Differential D 128 at 128x64 w8 s2 split: Triton 3.6's ptxas spills a little (44 bytes
+# stored, 84 loaded a thread at 255 registers; 3.9: 252 registers, none), and the H200
+# timed it with that spill as the fastest differential tile (HOPPER_TILES): bytes allowed.
+SPILLS_ALLOWED = {"differential d128 bf16": 128}
+
+
 def test_compiles_for_sm90_without_spills():
-    """The real Hopper tiles (bf16, TMA) lower to a cubin for sm90 within 227 KiB of shared
-    memory and without register spills (``tests/compile_prefill_sm90.py``, in a process
-    without ``TRITON_INTERPRET``; no GPU needed)."""
+    """The real Hopper tiles (bf16, TMA), contiguous and paged, lower to a cubin for sm90
+    within 227 KiB of shared memory and without register spills beyond
+    :data:`SPILLS_ALLOWED` (``tests/compile_prefill_sm90.py``, in a process without
+    ``TRITON_INTERPRET``; no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("compile_prefill_sm90.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(HOPPER_TILES)
+    paged = [row for row in report if row["case"].startswith("paged")]
+    assert len(report) - len(paged) == len(HOPPER_TILES)
+    assert len(paged) >= len(PAGED_TILES)  # paged prefill (K/V by pointer loads) at block 16 and larger
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
-        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        allowed = SPILLS_ALLOWED.get(row["case"], 0)
+        assert row["spill_stores"] <= allowed and row["spill_loads"] <= allowed, row
 
 
 GPU_CASES = [(64, False), (128, False), (256, False), (64, True), (128, True)]

@@ -31,14 +31,30 @@ from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guar
                            next_power_of_2)
 from .merge_kernel import merge_block_v, merge_splits_kernel
 from .prefill_kernel import covers as prefill_covers
-from .prefill_kernel import varlen_prefill
+from .prefill_kernel import covers_paged as paged_prefill_covers
+from .prefill_kernel import paged_prefill, varlen_prefill
 
 PREFILL_KERNEL = "unified"
 """Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
 every call) or ``"hopper"`` (:mod:`.prefill_kernel` for the calls its ``covers`` accepts:
 fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
-the unified kernel for the rest). Read at each call (and at trace time under
-``torch.compile``), so a benchmark can flip it."""
+the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA,
+warp-specialized at plain D 128, else ``PAGED_TILES``). Read at each call (and at trace
+time under ``torch.compile``), so a benchmark can flip it."""
+
+PAGED_PREFILL_KERNEL = "unified"
+"""Which kernel serves ``paged_attention`` on CUDA: ``"unified"`` (every call) or
+``"hopper"``: :func:`.prefill_kernel.paged_prefill` (the prefill kernel's ``PAGED`` path)
+for the calls :func:`.prefill_kernel.covers_paged` accepts: fp16/bf16 caches of the query's
+dtype (no float8 cache), head size 64/128/256 (differential 64/128), no ALiBi, a
+power-of-two block size, no forced split count or tiles, and query runs of at least one
+query tile on average (``T >= block_m * B``, 128 tokens a sequence at ``PAGED_TILES``,
+never warp-specialized); the unified kernel for the rest (decode, mixed batches of mostly
+decode rows). On the H200 (2026-12-01, B=8, 512 new tokens after 4096 cached, block 16,
+plain D 128) the paged path took 0.830 ms against the unified kernel's 1.169; the default
+stays ``"unified"`` until the merged state (RAW_MAX on this path too) is timed
+(``profiling/bench_kernels.py --parts prefill``). Read at each call (and at trace time
+under ``torch.compile``), so a benchmark can flip it."""
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
 SPLIT_ALIGN = 16  # elements: every split of the split buffers starts at a multiple (split_strides)
@@ -86,6 +102,10 @@ def paged_attention(
     max_kv_len = block_table.shape[1] * key_cache.shape[1]
     if key_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = None
+    if (PAGED_PREFILL_KERNEL == "hopper" and num_splits is None and tiles is None and query.is_cuda
+            and paged_prefill_covers(query, key_cache, value_cache, seq_lens.shape[0], lambda_full, alibi_slopes)):
+        return paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
+                             causal, window_left, window_right, softcap, None, scale_softcap, out=out)
     return _attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, max_kv_len,
                       lambda_full, scale, causal, window_left, window_right, softcap, alibi_slopes,
                       scale_softcap, out, num_splits, k_scale, v_scale, tiles)
