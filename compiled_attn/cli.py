@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                      help="KV-cache dtype: auto = the model's; fp8 (alias fp8_e4m3) = float8_e4m3fn, half the bytes")
     gen.add_argument("--calculate-kv-scales", action="store_true",
-                     help="with an fp8 cache: per-layer scales max|k|/448, max|v|/448 from the prompts (default 1.0)")
+                     help="with an fp8 cache: per-layer scales max|k|/200, max|v|/100 from the prompts, vLLM's "
+                          "headroom (default 1.0)")
     gen.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
                      help="most tokens a step computes, at least --block-size and --max-batch-size; longer "
                           "prompts are prefilled in chunks (default: no limit)")

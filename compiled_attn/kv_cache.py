@@ -40,6 +40,8 @@ __all__ = ["KV_CACHE_DTYPES", "BlockAllocator", "KVCache", "OutOfBlocksError", "
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """Values of ``kv_cache_dtype`` (vLLM's names): ``"auto"`` = the model's dtype; ``"fp8"``
 and its alias ``"fp8_e4m3"`` = float8_e4m3fn with per-layer scales."""
+K_SCALE_CONSTANT = 200.0  # what calibrate_kv_scales maps the largest key to (vLLM's constant)
+V_SCALE_CONSTANT = 100.0  # ... and the largest value
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -114,22 +116,25 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 @torch.no_grad()
 def calibrate_kv_scales(model: torch.nn.Module, prompts: Sequence[Sequence[int]], block_size: int = 16,
-                        k_range: float = FP8_MAX, v_range: float = FP8_MAX) -> list[tuple[float, float]]:
+                        k_range: float = K_SCALE_CONSTANT, v_range: float = V_SCALE_CONSTANT) -> list[tuple[float, float]]:
     """Per-layer fp8 KV-cache scales from calibration prompts: ``k_scale = max |k| / k_range``
-    and ``v_scale = max |v| / v_range`` (448, e4m3's largest value, by default: the largest
-    key seen maps to 448) over every key and value (RoPE applied, as cached) that each
-    cache-owning layer writes while ``model`` prefills ``prompts`` in one batch. This is
-    vLLM's ``calculate_kv_scales``, which divides by ``K_SCALE_CONSTANT=200`` and
-    ``V_SCALE_CONSTANT=100`` by default, leaving headroom for later tokens larger than the
-    calibration's (beyond ``448 * scale`` they saturate). A layer whose keys (values) are all
-    zero gets 1.0. Runs the model once, eagerly, over a temporary cache of its dtype.
+    and ``v_scale = max |v| / v_range`` over every key and value (RoPE applied, as cached)
+    that each cache-owning layer writes while ``model`` prefills ``prompts`` in one batch.
+    This is vLLM's ``calculate_kv_scales`` with its ``K_SCALE_CONSTANT = 200`` and
+    ``V_SCALE_CONSTANT = 100``: the largest key seen maps to 200 and the largest value to
+    100 of e4m3's 448, which leaves headroom for later tokens larger than the calibration's
+    (beyond ``448 * scale`` they saturate). Default model, float32, calibrated on a one-token
+    prompt, greedy: the largest logit error against the unquantized cache was 11% of the
+    logits' range with ``k_range = v_range = 448`` and 3.6% with 200 / 100 (3.6% at
+    scale 1.0). A layer whose keys (values) are all zero gets 1.0. Runs the model once,
+    eagerly, over a temporary cache of its dtype.
 
     Args:
         model: a model with ``forward(md, kv_caches)``, ``config`` (``num_key_value_heads``,
             ``head_dim``, ``vocab_size``) and ``num_cache_layers``, as :class:`~compiled_attn.Engine` takes.
         prompts: token-id lists, each non-empty, every id in ``[0, vocab_size)``.
         block_size: block size of the temporary cache.
-        k_range, v_range: what the largest magnitude maps to, > 0 and at most 448.
+        k_range, v_range: what the largest key / value magnitude maps to, > 0 and at most 448.
 
     Returns:
         ``num_cache_layers`` ``(k_scale, v_scale)`` float pairs, for
