@@ -204,7 +204,7 @@ def hopper_prefill_rows() -> list[ResultRow]:
                                   "bf16 tolerance", 0.02, "<= 1.0"))
             for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
                 label = (f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
-                         + (" split" if tiles.value_split else "") + (" ws" if tiles.warp_specialize else ""))
+                         + (" split" if tiles.value_split else ""))
                 try:
                     ms = _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam_arg, tiles=tiles))
                 except Exception as err:  # a tile that does not compile or launch here: report, go on

@@ -2,11 +2,11 @@
 
 Run as a script in a process without ``TRITON_INTERPRET``: :func:`varlen_prefill` runs on
 small CPU tensors with its launches recorded instead of made (as ``compile_sm90.py``), at
-the :data:`HOPPER_TILES` of each case (plain D 128 warp-specialized) and with TMA
-descriptors on, and paged at :data:`PAGED_TILES` (:data:`PAGED_CASES`); each recorded launch
-goes through ``triton.compile`` for sm90 down to the cubin, then Triton's bundled
-``ptxas -v`` reports registers and spills of the PTX. Prints one JSON list of
-``{case, tiles, shared, registers, spill_stores, spill_loads}``.
+the :data:`HOPPER_TILES` of each case and with TMA descriptors on, and paged at
+:data:`PAGED_TILES` (:data:`PAGED_CASES`); each recorded launch goes through
+``triton.compile`` for sm90 down to the cubin, then Triton's bundled ``ptxas -v`` reports
+registers and spills of the PTX. Prints one JSON list of ``{case, tiles, shared,
+registers, spill_stores, spill_loads}``.
 
     python tests/compile_prefill_sm90.py
 """
@@ -68,7 +68,7 @@ def main() -> None:
         compiled = compile_for_sm90(kernel, kwargs, options)
         assert "cubin" in compiled.asm, "no cubin"
         tiles = (f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{options['num_warps']} s{options['num_stages']}"
-                 + (" split" if kwargs["VALUE_SPLIT"] else "") + (" ws" if kwargs["WARP_SPECIALIZE"] else ""))
+                 + (" split" if kwargs["VALUE_SPLIT"] else ""))
         report.append({"case": case, "tiles": tiles, "shared": compiled.metadata.shared,
                        **ptxas_usage(compiled.asm["ptx"])})
     print(json.dumps(report))

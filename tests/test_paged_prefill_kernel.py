@@ -149,14 +149,6 @@ def test_broken_variants_fail(broken, monkeypatch):
         run(SEQS, block_size=16, seed=21)
 
 
-def test_warp_specialize_refused():
-    """The paged path never runs warp-specialized: Triton 3.6's Hopper warp specialization
-    fails to lower its pointer loads of K/V, so such tiles raise (``PAGED_TILES`` has none)."""
-    with pytest.raises(ValueError, match="warp_specialize"):
-        run(SEQS, tiles=PrefillTiles(16, 64, 4, 1, warp_specialize=True))
-    assert not any(t.warp_specialize for t in (*PAGED_TILES.values(), *sum(PAGED_SWEEP_TILES.values(), ())))
-
-
 def test_covers_paged_and_routing_switch():
     """The predicate: fp16/bf16 caches of the query's dtype, Hopper head sizes, no ALiBi, a
     power-of-two block size, ``T >= block_m * B``; the op keeps the unified kernel until

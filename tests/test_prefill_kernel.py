@@ -49,7 +49,6 @@ if INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3
 SMALL = PrefillTiles(16, 16, 4, 1)
 TALL = PrefillTiles(32, 16, 4, 1)  # block_m != block_n
 SPLIT = PrefillTiles(16, 16, 4, 1, value_split=True)
-WS = PrefillTiles(16, 16, 4, 1, warp_specialize=True)  # the warp-specialized schedule's code path
 
 
 def run(q_lens, k_lens=None, *, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
@@ -129,39 +128,23 @@ def test_head_sizes_fp16(head_size, differential):
 
 def test_many_sequences():
     """Sequences whose query counts straddle tile boundaries (the binary search over
-    ``cu_seqlens_q``, the ``T // BLOCK_M + B`` tile bound, the reversed tile order)."""
+    ``cu_seqlens_q``, the ``T // BLOCK_M + B`` tile bound, the reversed tile order), and a
+    sequence without queries."""
     g = torch.Generator().manual_seed(5)
     q_lens = [int(x) for x in torch.randint(1, 35, (12,), generator=g)]
     k_lens = [q + int(torch.randint(0, 9, (), generator=g)) for q in q_lens]
     run(q_lens, k_lens, num_heads=2, num_kv_heads=1, seed=6)
+    run([5, 0, 37, 1], [9, 4, 37, 1], tiles=TALL, seed=32)
 
 
-@pytest.mark.parametrize("kind", ["plain", "diff-pair", "diff-split"])
-def test_warp_specialized(kind):
-    """``warp_specialize`` tiles (TMA K/V): one masked key loop with per-row key bounds, no
-    early return (tiles past a sequence's queries, a sequence without queries), the sequence
-    search unrolled; causal, windows and softcap (the interpreter ignores the loop's
-    ``warp_specialize`` itself)."""
-    lam = None if kind == "plain" else make_lambda(4, per_pair=True, seed=len(kind))
-    tiles = WS._replace(value_split=kind == "diff-split")
-    run(LENS_Q, LENS_K, lam=lam, tiles=tiles, use_tma=True, seed=31)
-    run([5, 0, 37, 1], [9, 4, 37, 1], lam=lam, tiles=tiles._replace(block_m=32), use_tma=True, seed=32)
-    run([40, 2, 17], [40, 9, 30], lam=lam, tiles=tiles, use_tma=True, window_size=(7, -1), softcap=2.0, seed=33)
-    run([40, 2, 17], [40, 9, 30], lam=lam, tiles=tiles, use_tma=True, causal=False, window_size=(5, 3), seed=34)
-    run([19, 4], [19, 11], lam=lam, tiles=tiles, use_tma=True, scale_softcap=[0.3, 3.0], seed=35)
-
-
-def test_warp_specialized_needs_tma():
-    """Triton's Hopper warp specialization does not lower pointer loads of K/V: the
-    launcher refuses ``warp_specialize`` tiles without TMA, and picks tiles without it
-    (:data:`PAGED_TILES`) when K/V cannot go through TMA."""
-    with pytest.raises(ValueError, match="warp_specialize"):
-        run([5], tiles=WS, use_tma=False)
+def test_tiles_by_kv_loads():
+    """On a GPU the launcher takes :data:`HOPPER_TILES` when K/V go through TMA, else
+    :data:`PAGED_TILES` (K/V by pointer loads: paged caches, contiguous K/V without TMA);
+    the sweeps do not repeat the defaults."""
     for key in HOPPER_TILES:
         assert choose_prefill_tiles(*key, torch.bfloat16, True, kv_tma=True) == HOPPER_TILES[key]
         assert choose_prefill_tiles(*key, torch.bfloat16, True, kv_tma=False) == PAGED_TILES[key]
-    assert HOPPER_TILES[(128, False)].warp_specialize  # the schedule the H200 timed fastest
-    assert not any(t.warp_specialize for t in (*PAGED_TILES.values(), *sum(PAGED_SWEEP_TILES.values(), ())))
+        assert HOPPER_TILES[key] not in SWEEP_TILES[key] and PAGED_TILES[key] not in PAGED_SWEEP_TILES[key]
 
 
 def test_covers_and_routing_switch():

@@ -17,10 +17,10 @@ module                         idea
 ``config``                     tile sizes and split count from tensor shapes only (CUDA-graph safe)
 ``prefill_kernel``             Hopper prefill for varlen q/k/v, contiguous or paged (plain and fused
                                differential): TMA descriptor loads, 128-row tiles, causal tile
-                               skipping with unmasked interior tiles, reversed tile order, a
-                               warp-specialized schedule (plain D 128); ``varlen_prefill`` / ``covers``
-                               (``attention.PREFILL_KERNEL`` routes to it) and ``paged_prefill`` /
-                               ``covers_paged`` (``attention.PAGED_PREFILL_KERNEL``)
+                               skipping with unmasked interior tiles, reversed tile order;
+                               ``varlen_prefill`` / ``covers`` (``attention.PREFILL_KERNEL`` routes
+                               to it) and ``paged_prefill`` / ``covers_paged``
+                               (``attention.PAGED_PREFILL_KERNEL``)
 ``attention``                  host launchers ``paged_attention`` / ``varlen_attention``
 ``launch_utils``               small host helpers (powers of two, device guard, SM count)
 =============================  =======================================================================

@@ -38,9 +38,9 @@ PREFILL_KERNEL = "unified"
 """Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
 every call) or ``"hopper"`` (:mod:`.prefill_kernel` for the calls its ``covers`` accepts:
 fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
-the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA,
-warp-specialized at plain D 128, else ``PAGED_TILES``). Read at each call (and at trace
-time under ``torch.compile``), so a benchmark can flip it."""
+the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA, else
+``PAGED_TILES``). Read at each call (and at trace time under ``torch.compile``), so a
+benchmark can flip it."""
 
 PAGED_PREFILL_KERNEL = "unified"
 """Which kernel serves ``paged_attention`` on CUDA: ``"unified"`` (every call) or
@@ -48,13 +48,13 @@ PAGED_PREFILL_KERNEL = "unified"
 for the calls :func:`.prefill_kernel.covers_paged` accepts: fp16/bf16 caches of the query's
 dtype (no float8 cache), head size 64/128/256 (differential 64/128), no ALiBi, a
 power-of-two block size, no forced split count or tiles, and query runs of at least one
-query tile on average (``T >= block_m * B``, 128 tokens a sequence at ``PAGED_TILES``,
-never warp-specialized); the unified kernel for the rest (decode, mixed batches of mostly
-decode rows). On the H200 (2026-12-01, B=8, 512 new tokens after 4096 cached, block 16,
-plain D 128) the paged path took 0.830 ms against the unified kernel's 1.169; the default
-stays ``"unified"`` until the merged state (RAW_MAX on this path too) is timed
-(``profiling/bench_kernels.py --parts prefill``). Read at each call (and at trace time
-under ``torch.compile``), so a benchmark can flip it."""
+query tile on average (``T >= block_m * B``, 128 tokens a sequence at ``PAGED_TILES``);
+the unified kernel for the rest (decode, mixed batches of mostly decode rows). On the H200
+(2026-12-01, B=8, 512 new tokens after 4096 cached, block 16, plain D 128) the paged path
+took 0.830 ms against the unified kernel's 1.169; the default stays ``"unified"`` until the
+merged state (RAW_MAX on this path too) is timed (``profiling/bench_kernels.py --parts
+prefill``). Read at each call (and at trace time under ``torch.compile``), so a benchmark
+can flip it."""
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
 SPLIT_ALIGN = 16  # elements: every split of the split buffers starts at a multiple (split_strides)

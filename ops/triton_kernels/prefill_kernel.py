@@ -24,13 +24,6 @@ FlashAttention-3's forward:
   positive scale without softcap (``RAW_MAX``) the row max is taken over unscaled scores and
   the scale enters the exponent's FMA (no separate multiply of the score tile: 62 fewer
   instructions a thread per 128x128 step on sm90);
-* a schedule of :class:`PrefillTiles` (the plain D 128 default): ``warp_specialize`` asks
-  Triton's Hopper warp specialization (Triton 3.6: ``num_warps`` 4 gives a TMA producer
-  warpgroup and two consumer warpgroups of 64 query rows, ``setmaxnreg`` 40/232) for one
-  masked key loop (the pass fails on an early return or several key loops and skips a
-  kernel with a ``while``: the sequence search is unrolled, every tile is masked, by
-  per-row key bounds). It needs K/V through TMA: with pointer loads (paged caches,
-  contiguous K/V without TMA) the pass fails, and those calls take :data:`PAGED_TILES`;
 * grid ``(units, num_q_tiles)``, units fastest: a wave starts the same query tile of
   every head, and the tile axis runs *reversed*, so each sequence's last (causal: heaviest)
   tiles start first and the lightest finish the launch (FlashAttention-3's
@@ -50,8 +43,7 @@ Shapes (token-major, as ``flash_attn_varlen_func``)::
 Varlen without a host sync: ``num_q_tiles = Tq // BLOCK_M + B`` bounds the query tiles of
 all sequences (sequence ``b`` owns tiles ``cu_seqlens_q[b] // BLOCK_M + b`` onwards); a
 program finds its sequence by a binary search over ``cu_seqlens_q`` written inline (see
-the note in :func:`prefill_kernel`) and exits when its tile is past the sequence's queries
-(warp-specialized: runs no key step and stores nothing).
+the note in :func:`prefill_kernel`) and exits when its tile is past the sequence's queries.
 
 Math: the online softmax of FlashAttention-2 (Dao 2023, arXiv 2307.08691, §3.1 and
 algorithm 1) in base 2; masks as ``flash_attn_varlen_func`` (bottom-right aligned: query
@@ -78,8 +70,7 @@ tile reads its ``BLOCK_N // block_size`` block ids once (one id when a block hol
 tile) and loads its rows with pointer loads, which Triton's pipeliner turns into cp.async
 copies into the shared buffers that wgmma reads (at 3+ stages the id load is pipelined a
 stage ahead as well); q and out keep TMA. Masks, windows, softcap, GQA and differential
-pairs as above, with ``k_len = seq_lens[b]``. Paged calls run at :data:`PAGED_TILES` (never
-warp-specialized).
+pairs as above, with ``k_len = seq_lens[b]``. Paged calls run at :data:`PAGED_TILES`.
 """
 
 from __future__ import annotations
@@ -217,16 +208,14 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
                DIFFERENTIAL: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                RUNTIME_SCALARS: tl.constexpr, USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr,
                VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               RAW_MAX: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, WINDOW_LEFT: tl.constexpr, row_lo, row_hi):
+               RAW_MAX: tl.constexpr):
     """Key tiles ``[tile_begin, tile_end)`` of one sequence (``k_src``/``v_src`` start there;
     ``PAGED``: they are the caches and ``table_row`` the sequence's block-table row, and
     ``stride_kt``/``stride_vt`` the slot strides): one online-softmax state (plain) or two
     over the same loaded tiles (differential); values ``[BLOCK_N, VALUE_COLS]`` from head
-    ``v_head`` on. ``WARP_SPECIALIZE``: the loop is warp-specialized and, ``MASKED``, row
-    ``r`` sees keys ``[row_lo[r], row_hi[r]]`` (``row_lo`` read with ``WINDOW_LEFT`` only)
-    in place of the distance bounds; else ``row_lo``/``row_hi`` are not read."""
+    ``v_head`` on."""
     offs_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tile_begin, tile_end, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tile_begin, tile_end):
         start = tile * BLOCK_N
         keys_left = kv_len - start
         if PAGED:  # the tile's block ids, read once for K and V (and k2)
@@ -251,14 +240,9 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
             s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
         if MASKED:
             kpos = start + offs_n
-            if WARP_SPECIALIZE:  # row r sees keys [row_lo[r], row_hi[r]] (one compare a score, causal)
-                visible = kpos[None, :] <= row_hi[:, None]
-                if WINDOW_LEFT:
-                    visible = visible & (kpos[None, :] >= row_lo[:, None])
-            else:
-                in_seq = kpos < kv_len
-                dist = pos[:, None] - kpos[None, :]
-                visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
+            in_seq = kpos < kv_len
+            dist = pos[:, None] - kpos[None, :]
+            visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
             s1 = tl.where(visible, s1, float("-inf"))
             if DIFFERENTIAL:
                 s2 = tl.where(visible, s2, float("-inf"))
@@ -284,8 +268,7 @@ def prefill_kernel(
     DIFFERENTIAL: tl.constexpr, LAMBDA_PER_PAIR: tl.constexpr, SOFTCAP: tl.constexpr,
     RUNTIME_SCALARS: tl.constexpr, WINDOW_LEFT: tl.constexpr, USE_TMA: tl.constexpr,
     VALUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr,
 ):
     """Attention of ``BLOCK_M`` query tokens x one query head (pair) of one sequence.
 
@@ -314,10 +297,6 @@ def prefill_kernel(
             registers at D 128) for twice the score dots.
         RAW_MAX: the launcher's ``scale > 0`` without softcap: scores stay unscaled through
             the row max (:func:`_softmax_step`).
-        WARP_SPECIALIZE: one masked, warp-specialized key loop (Triton's Hopper warp
-            specialization; needs ``USE_TMA`` and not ``PAGED``: Triton 3.6 fails to lower
-            it over pointer loads), no early return, the sequence search unrolled
-            ``SEARCH_STEPS = bit_length(B)`` times (no ``while``).
     """
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS  # query heads (pairs) per KV head (pair)
     VALUE_COLS: tl.constexpr = 2 * HEAD_SIZE if DIFFERENTIAL and not VALUE_SPLIT else HEAD_SIZE
@@ -343,27 +322,17 @@ def prefill_kernel(
     # address as written (it would copy cu_seqlens_q around each launch).
     seq: tl.int32 = 0
     right = num_seqs
-    if WARP_SPECIALIZE:
-        # Triton 3.6's Hopper warp specialization leaves a kernel with an scf.while
-        # unspecialized: the same search unrolled SEARCH_STEPS = bit_length(num_seqs) times.
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (seq + right + 1) // 2
-            ok = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile
-            seq = tl.where(ok, mid, seq)
-            right = tl.where(ok, right, mid - 1)
-    else:
-        while seq < right:
-            mid = (seq + right + 1) // 2
-            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile:
-                seq = mid
-            else:
-                right = mid - 1
+    while seq < right:
+        mid = (seq + right + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile:
+            seq = mid
+        else:
+            right = mid - 1
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     q_first = (q_tile - q_start // BLOCK_M - seq) * BLOCK_M
-    if not WARP_SPECIALIZE:  # (an early return makes 3.6's Hopper warp specialization fail)
-        if q_first >= q_len:
-            return
+    if q_first >= q_len:
+        return
     if PAGED:
         kv_start = 0
         kv_len = tl.load(cu_seqlens_k_ptr + seq)
@@ -438,36 +407,22 @@ def prefill_kernel(
         mid_lo = 0
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, mid_lo), tile_hi)
 
-    if WARP_SPECIALIZE:
-        # One masked loop over every key tile (3.6's Hopper warp specialization takes one
-        # loop); a tile past the sequence's queries (q_first >= q_len) runs no step and its
-        # store is clipped whole.
-        tile_end = tl.where(q_first < q_len, tile_hi, tile_lo)
-        # Per-row visible keys: min_dist <= pos - j <= max_dist and j < kv_len.
-        row_hi = tl.minimum(pos - min_dist, kv_len - 1)
-        row_lo = pos - max_dist
+    if WINDOW_LEFT:
         m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, tile_end,
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
             pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, True, WINDOW_LEFT, row_lo, row_hi)
-    else:  # (row bounds unused: pos stands in)
-        if WINDOW_LEFT:
-            m1, l1, acc1, m2, l2, acc2 = _key_steps(
-                m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
-                pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-                stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-                HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
-        m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
-            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
-        m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
-            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False, WINDOW_LEFT, pos, pos)
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
+    m1, l1, acc1, m2, l2, acc2 = _key_steps(
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
+    m1, l1, acc1, m2, l2, acc2 = _key_steps(
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
 
     if DIFFERENTIAL:
         if LAMBDA_PER_PAIR:
@@ -501,15 +456,13 @@ def prefill_kernel(
 class PrefillTiles(NamedTuple):
     """``block_m`` query tokens x ``block_n`` keys per step; Triton launch options;
     ``value_split`` (differential): one program per value head of a pair (see
-    :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``warp_specialize``: the warp-specialized
-    schedule (``WARP_SPECIALIZE``; contiguous K/V through TMA only)."""
+    :func:`prefill_kernel`'s ``VALUE_SPLIT``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     value_split: bool = False
-    warp_specialize: bool = False  # Triton's Hopper warp specialization (num_warps 4: 3 warpgroups run)
 
 
 # Hopper tiles (bf16/fp16) for K/V through TMA (contiguous), by (head size, differential);
@@ -520,14 +473,13 @@ class PrefillTiles(NamedTuple):
 # Triton replicate the score dot across both warpgroups (mma warpsPerCTA [8, 1] over 64
 # rows) and spills: avoided. D 128 chosen on the H200 (2026-12-01, bf16, causal, Hq 32,
 # Hkv 8; profiling/bench_kernels.py --parts prefill; ms at B=8 S=2048 / 64 sequences of
-# 128-4096 tokens; the unified kernel 0.806 / 9.02 plain, 1.666 / 18.6 differential):
-# plain 128x128 w4 s2 warp_specialize 0.704 / 8.14 (128x128 w8 s2, the former default,
-# 0.828 / 9.26; next 64x64 w4 s3 0.731 / 9.03, 128x128 w8 s3 0.764 / 8.36); differential
-# 128x64 w8 s2 split 1.451 / 16.53 (128x32 w8 s3 split, the former default, 1.660 / 19.14).
-# D 64 and 256: not timed yet.
+# 128-4096 tokens): plain 128x128 w8 s3 0.755 / 8.27 against the unified kernel's
+# 0.812 / 9.08 (128x128 w8 s2, the former default, 0.822 / 9.25; 64x64 w4 s3 0.728 / 8.58,
+# faster at B=8 S=2048 only); differential 128x64 w8 s2 split 1.436 / 16.45 against the
+# unified kernel's 1.678 / 18.71. D 64 and 256: not timed yet.
 HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
     (64, False): PrefillTiles(128, 128, 8, 3),  # 211 registers, 113 KiB shared
-    (128, False): PrefillTiles(128, 128, 4, 2, warp_specialize=True),  # 168 registers (maxnreg), 193 KiB
+    (128, False): PrefillTiles(128, 128, 8, 3),  # 233 registers, 225 KiB (of 227)
     (256, False): PrefillTiles(128, 32, 8, 2),  # 198 registers, 128 KiB
     (64, True): PrefillTiles(128, 32, 8, 3),  # 216 registers, 81 KiB
     # 255 registers and a small spill with Triton 3.6 (44 bytes stored, 84 loaded a thread;
@@ -535,26 +487,19 @@ HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
     # fastest differential tile
     (128, True): PrefillTiles(128, 64, 8, 2, value_split=True),  # 160 KiB
 }
-# ``warp_specialize`` (Triton 3.6, sm90, no spills): num_warps 4 runs 12 warps (one
-# producer warpgroup), setmaxnreg 40/232, ptxas reports maxnreg 168.
-_WS = dict(warp_specialize=True)
-# Alternatives the benchmark times against HOPPER_TILES (the former defaults among them).
+# Alternatives the benchmark times against HOPPER_TILES (the former defaults among them);
+# ms as above, the last run's (unified 0.812 / 9.08 plain) or, marked ``first``, the day's
+# first sweep's (unified 0.806 / 9.02 plain, 1.666 / 18.6 differential).
 SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
-    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4),
-                  PrefillTiles(128, 128, 4, 3, **_WS)),  # 129 KiB
-    (128, False): (PrefillTiles(128, 128, 8, 2),  # 0.828 / 9.26 ms
-                   PrefillTiles(128, 128, 8, 3),  # 0.764 / 8.36
-                   PrefillTiles(128, 64, 8, 3),  # 0.776 / 8.61
-                   PrefillTiles(64, 64, 4, 3),  # 0.731 / 9.03
-                   PrefillTiles(128, 64, 4, 4, **_WS)),  # 0.781 / 8.71, 193 KiB
-    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2),
-                   PrefillTiles(128, 32, 4, 2, **_WS)),  # 193 KiB
-    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3),
-                 PrefillTiles(128, 64, 4, 2, **_WS)),  # 129 KiB
-    (128, True): (PrefillTiles(128, 32, 8, 3, value_split=True),  # 1.660 / 19.14 ms
-                  PrefillTiles(64, 64, 8, 2),  # 1.555 / 17.98
-                  PrefillTiles(64, 32, 8, 3),  # 1.892 / 21.62
-                  PrefillTiles(128, 32, 4, 3, value_split=True, **_WS)),  # 1.555 / 18.04, 169 KiB
+    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4)),
+    (128, False): (PrefillTiles(128, 128, 8, 2),  # 0.822 / 9.25 ms
+                   PrefillTiles(128, 64, 8, 3),  # first 0.776 / 8.61
+                   PrefillTiles(64, 64, 4, 3)),  # 0.728 / 8.58
+    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2)),
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3)),
+    (128, True): (PrefillTiles(128, 32, 8, 3, value_split=True),  # first 1.660 / 19.14 ms
+                  PrefillTiles(64, 64, 8, 2),  # first 1.555 / 17.98
+                  PrefillTiles(64, 32, 8, 3)),  # first 1.892 / 21.62
 }
 # Tiles of K/V read by pointer loads: paged prefill (chunked prefill over a paged cache)
 # and contiguous K/V without TMA (not tma_ready, or a GPU before sm90). ``PAGED`` reads each
@@ -563,14 +508,15 @@ SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
 # reads (no register copy; at 3+ stages the id load itself is pipelined a stage ahead);
 # q and out through TMA. (TMA for K/V would need one [block_size, D] box per block: Triton
 # 3.6 then copies each box shared -> registers, joins them and stores the tile back to shared
-# for wgmma, and the dots turn synchronous; TMA gather is sm100 only.) No warp_specialize
-# here: Triton 3.6's Hopper warp specialization fails to lower a loop of pointer loads
-# (make_ttgir), paged or contiguous. The former HOPPER_TILES, all spill-free for sm90 at
-# block 16 (tests/compile_prefill_sm90.py: plain D 128 243 registers, 160 KiB). On the H200
-# (2026-12-01, B=8, 512 new tokens after 4096 cached, block 16, plain D 128, before RAW_MAX
-# reached this path): paged 0.830 ms against the unified kernel's 1.169 and contiguous
-# 128x128 w8 s2's 0.720 (paged / contiguous 1.15-1.17, target <= 1.1);
-# profiling/bench_kernels.py --parts prefill times PAGED_SWEEP_TILES (spill-free too).
+# for wgmma, and the dots turn synchronous; TMA gather is sm100 only.) The former
+# HOPPER_TILES, all spill-free for sm90 at block 16 (tests/compile_prefill_sm90.py: plain
+# D 128 243 registers, 160 KiB). On the H200 (2026-12-01, B=8, 512 new tokens after 4096
+# cached, block 16, plain D 128, before RAW_MAX reached this path): paged 0.830 ms against
+# the unified kernel's 1.169 and contiguous 128x128 w8 s2's 0.720 (paged / contiguous
+# 1.15-1.17, target <= 1.1); profiling/bench_kernels.py --parts prefill times
+# PAGED_SWEEP_TILES (spill-free too). Apart from HOPPER_TILES: the paged path was timed at
+# these, and the D 128 TMA defaults fit pointer loads worse (sm90 offline, contiguous K/V
+# without TMA: 224 KiB of shared memory plain, 208 bytes spilled differential).
 PAGED_TILES: dict[tuple[int, bool], PrefillTiles] = {
     (64, False): PrefillTiles(128, 128, 8, 3),
     (128, False): PrefillTiles(128, 128, 8, 2),
@@ -608,7 +554,7 @@ def choose_prefill_tiles(head_size: int, differential: bool, dtype: torch.dtype,
                          kv_tma: bool) -> PrefillTiles:
     """Tiles from shapes only: on a GPU :data:`HOPPER_TILES` when K/V go through TMA
     (``kv_tma``), else :data:`PAGED_TILES` (K/V by pointer loads: paged caches, or
-    contiguous K/V without TMA; no warp specialization); small tiles on the CPU."""
+    contiguous K/V without TMA); small tiles on the CPU."""
     if not on_gpu:
         return INTERPRETER_TILES
     tiles = (HOPPER_TILES if kv_tma else PAGED_TILES).get((head_size, differential))
@@ -686,7 +632,6 @@ def varlen_prefill(
         use_tma: force TMA descriptors on (``True``, q, k, v and out must pass
             :func:`tma_ready`) or off; default: on for CUDA tensors of an sm90+ GPU that
             pass it, off for CPU tensors (the interpreter tests force it on).
-            ``warp_specialize`` tiles without TMA raise ``ValueError``.
 
     Returns:
         ``out``.
@@ -728,9 +673,8 @@ def paged_prefill(
     block_size, Hkv, D]`` (query's dtype, power-of-two ``block_size``) through
     ``block_table`` ``[B, max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its
     new tokens included, causal bottom-right aligned). ``tiles``: default
-    :data:`PAGED_TILES` on a GPU (``warp_specialize`` tiles raise ``ValueError``: Triton
-    3.6 cannot lower them over the paged pointer loads); ``use_tma``: TMA for q and out
-    (K/V always pointer loads). No ALiBi, no float8 cache (:func:`covers_paged`)."""
+    :data:`PAGED_TILES` on a GPU; ``use_tma``: TMA for q and out (K/V always pointer loads).
+    No ALiBi, no float8 cache (:func:`covers_paged`)."""
     if alibi_slopes is not None or key_cache.dtype != query.dtype:
         raise ValueError("paged_prefill has no ALiBi and no float8 cache: use the unified kernel (paged_attention)")
     block_size = key_cache.shape[1]
@@ -762,9 +706,6 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
                    and tma_ready(out, out.shape[-1]))
     kv_tma = use_tma and not paged
     tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu, kv_tma)
-    if tiles.warp_specialize and not kv_tma:
-        raise ValueError("warp_specialize tiles need K/V through TMA (contiguous K/V, use_tma): Triton's Hopper "
-                         "warp specialization does not lower pointer loads; use PAGED_TILES")
     scale = default_scale(scale, head_size)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
@@ -787,8 +728,7 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
             SOFTCAP=softcap > 0 or scale_softcap is not None, RUNTIME_SCALARS=scale_softcap is not None,
             WINDOW_LEFT=window, USE_TMA=use_tma, VALUE_SPLIT=differential and tiles.value_split,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1,
-            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0, WARP_SPECIALIZE=tiles.warp_specialize,
-            SEARCH_STEPS=num_seqs.bit_length() if tiles.warp_specialize else 0)
+            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0)
         units = (num_heads if tiles.value_split else num_heads // 2) if differential else num_heads
         # strides: q; k and v as (block, token or slot, head, dim) (block 0 when contiguous); out; table row
         k_strides = k.stride() if paged else (0, *k.stride())
