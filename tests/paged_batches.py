@@ -26,6 +26,7 @@ padding columns holding random *valid* block ids of other sequences.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -34,8 +35,26 @@ PAD_SLOT_ID = -1
 
 __all__ = [
     "PAD_SLOT_ID", "Pad", "PagedBatch", "VarlenBatch", "alibi_slopes", "make_lambda",
-    "make_paged_batch", "make_varlen_batch", "pad", "randn_nonzero",
+    "kernel_device", "make_paged_batch", "make_varlen_batch", "pad", "randn_nonzero",
 ]
+
+
+def kernel_device() -> str:
+    """The device a module's Triton kernel tests run on: ``"cuda"``, or ``"cpu"`` under
+    Triton's interpreter (``TRITON_INTERPRET=1``, Triton 3.9 or later: older interpreters
+    cannot use loaded scalars as loop bounds under NumPy 2, see ``test_triton_interpret.py``).
+    Otherwise skips the calling module (call it at import time)."""
+    import pytest
+    import triton
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use loaded scalars as loop bounds under "
+                    "NumPy 2 (see test_triton_interpret.py)", allow_module_level=True)
+    return "cpu"
 
 
 def _to(obj, device):

@@ -16,7 +16,6 @@ kernel that reads the wrong block or slot.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: these te
 import triton.language as tl  # noqa: E402
 
 from oracle import assert_close_to_oracle, oracle_paged  # noqa: E402
-from paged_batches import make_lambda, make_paged_batch, pad  # noqa: E402
+from paged_batches import kernel_device, make_lambda, make_paged_batch, pad  # noqa: E402
 
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
@@ -40,13 +39,8 @@ from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
 # the module (the package's attribute ``prefill_kernel`` is the kernel)
 prefill = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 INTERPRETED = DEVICE == "cpu"
-if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
-if INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use loaded scalars as loop bounds under "
-                "NumPy 2 (see test_triton_interpret.py)", allow_module_level=True)
 
 # (context_len, query_len): a length-1 sequence, query chunks longer than a query tile with
 # partial last tiles and blocks, contexts that are and are not multiples of the block sizes,

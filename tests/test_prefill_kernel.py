@@ -23,7 +23,7 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
 
 from oracle import assert_close_to_oracle, oracle_varlen  # noqa: E402
-from paged_batches import make_lambda, make_varlen_batch  # noqa: E402
+from paged_batches import kernel_device, make_lambda, make_varlen_batch  # noqa: E402
 
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
@@ -38,13 +38,8 @@ from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
     varlen_prefill,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 INTERPRETED = DEVICE == "cpu"
-if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
-if INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use loaded scalars as loop bounds under "
-                "NumPy 2 (see test_triton_interpret.py)", allow_module_level=True)
 
 SMALL = PrefillTiles(16, 16, 4, 1)
 TALL = PrefillTiles(32, 16, 4, 1)  # block_m != block_n
