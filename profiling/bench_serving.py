@@ -18,7 +18,8 @@ The model is the bench's ~1.1 B DiffLlama on CUDA and ``random_model_config()`` 
 engine's default scales (1.0; the kernels' time does not depend on them). ``--poll`` steps
 the engine as a polling serving loop (``Engine.step(wait=False)``): a request that arrives
 while a decode step runs is then prefilled right after that step, not after the next one.
-Appends to ``<results-dir>/serving.md`` and ``serving.jsonl``.
+Appends to ``<results-dir>/serving.md`` and ``serving.jsonl`` (default ``profiling/results``
+on CUDA; on the CPU only when ``--results-dir`` is given, else it prints the table).
 
     python profiling/bench_serving.py [--device cuda] [--requests 64] [--rate 8] [--kv-cache-dtype fp8] [--poll]
                                       [--profile DIR]
@@ -42,7 +43,7 @@ from compiled_attn.models import build_random_model, random_model_config
 from compiled_attn.ops.arith import cdiv
 from compiled_attn.ops.backends import compiled_variants
 from compiled_attn.profiler import StepProfiler
-from compiled_attn.results import ResultRow, write_results
+from compiled_attn.results import ResultRow, format_table, write_results
 from compiled_attn.sampling import SamplingParams
 from compiled_attn.scheduler import check_token_budget
 
@@ -190,7 +191,8 @@ def main() -> None:
     parser.add_argument("--launch-lead-us", type=float, default=None,
                         help="with --poll: how long before the decode step in flight ends the next is launched "
                              f"(engine.LAUNCH_LEAD_SECONDS, default {engine_module.LAUNCH_LEAD_SECONDS * 1e6:.0f} us)")
-    parser.add_argument("--results-dir", default="profiling/results")
+    parser.add_argument("--results-dir", default=None,
+                        help="where to append the tables (default: profiling/results on cuda, nowhere on cpu)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also trace the first --profile-steps steps of a third, untimed run of the "
@@ -240,8 +242,9 @@ def main() -> None:
     kv = ("" if args.kv_cache_dtype == "auto" else ", fp8 KV cache") + (
         f", polling loop (lead {engine_module.LAUNCH_LEAD_SECONDS * 1e6:.0f} us)" if args.poll else "")
     rows = [dataclasses.replace(row, case=row.case + kv) for row in rows]  # (the jsonl has no title)
-    print(write_results(rows, args.results_dir, "serving", f"Serving, {config.num_hidden_layers}-layer DiffLlama "
-                                                            f"({'bf16' if cuda else 'fp32'}{kv}), {device}"))
+    title = f"Serving, {config.num_hidden_layers}-layer DiffLlama ({'bf16' if cuda else 'fp32'}{kv}), {device}"
+    results_dir = args.results_dir or ("profiling/results" if cuda else None)
+    print(format_table(rows, title) if results_dir is None else write_results(rows, results_dir, "serving", title))
 
 
 def system_prompt_rows(args, engine, n, rate, vocab, system_len, max_len) -> list[ResultRow]:
