@@ -185,12 +185,12 @@ def causal_flops(lens: list[int], differential: bool) -> float:
 
 
 def hopper_prefill_rows() -> list[ResultRow]:
-    """The Hopper prefill kernel (``prefill_kernel.varlen_prefill``, not yet the default:
+    """The Hopper prefill kernel (``prefill.varlen_prefill``, not yet the default:
     ``attention.PREFILL_KERNEL``) against the unified kernel, SDPA cuDNN (plain, B=8 only:
     dense batch) and the issue's absolute differential target (0.96 ms, flash-attn 4's two
     calls), at its default tiles and at each alternative in ``SWEEP_TILES``; plus its
     largest difference from the unified kernel (bf16 rounding, tolerance 0.02)."""
-    from compiled_attn.ops.triton_kernels.prefill_kernel import HOPPER_TILES, SWEEP_TILES, varlen_prefill
+    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, SWEEP_TILES, varlen_prefill
 
     rows = []
     for case, lens in _varlen_batches().items():
@@ -238,14 +238,14 @@ def hopper_prefill_rows() -> list[ResultRow]:
 
 
 def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
-    """The Hopper prefill kernel's paged path (``prefill_kernel.paged_prefill``, not yet the
+    """The Hopper prefill kernel's paged path (``prefill.paged_prefill``, not yet the
     default: ``attention.PAGED_PREFILL_KERNEL``) on the issue's paged prefill, ``batch``
     sequences each computing ``chunk`` new tokens over ``prefix + chunk`` keys in blocks of
     16 (randomly permuted, as :func:`decode_inputs`), causal: against the same kernel over
     contiguous K/V of the same shapes (issue 12, item 3: paged <= 1.1x contiguous), at
     :data:`PAGED_TILES` and each alternative in ``PAGED_SWEEP_TILES``; plus the unified
     kernel's paged time and the largest difference from it (bf16 rounding)."""
-    from compiled_attn.ops.triton_kernels.prefill_kernel import (HOPPER_TILES, PAGED_SWEEP_TILES, PAGED_TILES,
+    from compiled_attn.ops.triton_kernels.prefill import (HOPPER_TILES, PAGED_SWEEP_TILES, PAGED_TILES,
                                                                  paged_prefill, varlen_prefill)
 
     context = prefix + chunk
@@ -292,7 +292,7 @@ def flash_rows() -> list[ResultRow]:
     ``flash_attn.cute`` is not importable."""
     from compiled_attn import ops
     from compiled_attn.ops import flash_backend
-    from compiled_attn.ops.triton_kernels.prefill_kernel import varlen_prefill
+    from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
 
     library = flash_backend.find_library()
     if library is None or library.name != "flash-attn 4":

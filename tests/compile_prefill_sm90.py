@@ -27,10 +27,7 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
     """``(case, kernel, arguments by name, options)``: bf16 causal prefill at the Hopper
     tiles, plain and differential, D 64 and 128 (D 256 plain), GQA 4; and paged prefill at
     :data:`PAGED_CASES`."""
-    import importlib
-
-    # (the package's name ``prefill_kernel`` is the kernel; the module is in sys.modules)
-    prefill = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
+    from compiled_attn.ops.triton_kernels import prefill
 
     launches, case = [], [""]
     record_launches(launches, case)

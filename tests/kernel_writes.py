@@ -50,7 +50,7 @@ def recorded_launches() -> list[tuple[str, object, dict]]:
                                    num_splits=4)
     case[0] = "varlen"
     triton_kernels.varlen_attention(q, q[:, :2], q[:, :2], cu, cu)
-    from compiled_attn.ops.triton_kernels.prefill_kernel import HOPPER_TILES
+    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES
     for name, lam in (("varlen prefill", None), ("varlen prefill differential", torch.full((4,), 0.5))):
         case[0] = name
         triton_kernels.varlen_prefill(q, q[:, :2], q[:, :2], cu, cu, lam, tiles=HOPPER_TILES[(64, lam is not None)],

@@ -28,7 +28,7 @@ from paged_batches import kernel_device, make_lambda, make_paged_batch, pad  # n
 
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
-from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
+from compiled_attn.ops.triton_kernels.prefill import (  # noqa: E402
     PAGED_SWEEP_TILES,
     PAGED_TILES,
     PrefillTiles,
@@ -36,8 +36,8 @@ from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
     paged_prefill,
 )
 
-# the module (the package's attribute ``prefill_kernel`` is the kernel)
-prefill = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
+# the kernel's module (the package's attribute ``prefill_kernel`` is the kernel itself)
+kernel_module = importlib.import_module("compiled_attn.ops.triton_kernels.prefill_kernel")
 
 DEVICE = kernel_device()
 INTERPRETED = DEVICE == "cpu"
@@ -138,7 +138,7 @@ def test_broken_variants_fail(broken, monkeypatch):
     """A kernel that gathers the wrong rows fails these comparisons (and the correct one,
     on the same batch, passes)."""
     run(SEQS, block_size=16, seed=21)
-    monkeypatch.setattr(prefill, "_paged_rows", broken)
+    monkeypatch.setattr(kernel_module, "_paged_rows", broken)
     with pytest.raises(AssertionError):
         run(SEQS, block_size=16, seed=21)
 

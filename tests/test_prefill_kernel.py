@@ -27,7 +27,7 @@ from paged_batches import kernel_device, make_lambda, make_varlen_batch  # noqa:
 
 from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import attention as attention_launchers  # noqa: E402
-from compiled_attn.ops.triton_kernels.prefill_kernel import (  # noqa: E402
+from compiled_attn.ops.triton_kernels.prefill import (  # noqa: E402
     HOPPER_TILES,
     PAGED_SWEEP_TILES,
     PAGED_TILES,

@@ -17,10 +17,10 @@ module                         idea
 ``config``                     tile sizes and split count from tensor shapes only (CUDA-graph safe)
 ``prefill_kernel``             Hopper prefill for varlen q/k/v, contiguous or paged (plain and fused
                                differential): TMA descriptor loads, 128-row tiles, causal tile
-                               skipping with unmasked interior tiles, reversed tile order;
-                               ``varlen_prefill`` / ``covers`` (``attention.PREFILL_KERNEL`` routes
-                               to it) and ``paged_prefill`` / ``covers_paged``
-                               (``attention.PAGED_PREFILL_KERNEL``)
+                               skipping with unmasked interior tiles, reversed tile order
+``prefill``                    its tiles and launchers: ``varlen_prefill`` / ``covers``
+                               (``attention.PREFILL_KERNEL`` routes to it) and ``paged_prefill`` /
+                               ``covers_paged`` (``attention.PAGED_PREFILL_KERNEL``)
 ``attention``                  host launchers ``paged_attention`` / ``varlen_attention``
 ``launch_utils``               small host helpers (powers of two, device guard, SM count)
 =============================  =======================================================================
@@ -43,7 +43,8 @@ from .launch_utils import traced_launches
 from .linear_kernel import fused_linear, fused_linear_kernel
 from .merge_kernel import merge_splits_kernel
 from .norm_act_kernel import rms_norm_kernel, silu_and_mul_kernel
-from .prefill_kernel import prefill_kernel, varlen_prefill
+from .prefill import varlen_prefill
+from .prefill_kernel import prefill_kernel
 
 KERNELS = (attention_kernel, merge_splits_kernel, reshape_and_cache_kernel, fused_linear_kernel,
            rms_norm_kernel, silu_and_mul_kernel, attention_backward_dq_kernel, attention_backward_dkdv_kernel,

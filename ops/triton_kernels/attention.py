@@ -30,13 +30,13 @@ from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
                            next_power_of_2)
 from .merge_kernel import merge_block_v, merge_splits_kernel
-from .prefill_kernel import covers as prefill_covers
-from .prefill_kernel import covers_paged as paged_prefill_covers
-from .prefill_kernel import paged_prefill, varlen_prefill
+from .prefill import covers as prefill_covers
+from .prefill import covers_paged as paged_prefill_covers
+from .prefill import paged_prefill, varlen_prefill
 
 PREFILL_KERNEL = "unified"
 """Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
-every call) or ``"hopper"`` (:mod:`.prefill_kernel` for the calls its ``covers`` accepts:
+every call) or ``"hopper"`` (:mod:`.prefill` for the calls its ``covers`` accepts:
 fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
 the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA, else
 ``PAGED_TILES``). Read at each call (and at trace time under ``torch.compile``), so a
@@ -44,8 +44,8 @@ benchmark can flip it."""
 
 PAGED_PREFILL_KERNEL = "unified"
 """Which kernel serves ``paged_attention`` on CUDA: ``"unified"`` (every call) or
-``"hopper"``: :func:`.prefill_kernel.paged_prefill` (the prefill kernel's ``PAGED`` path)
-for the calls :func:`.prefill_kernel.covers_paged` accepts: fp16/bf16 caches of the query's
+``"hopper"``: :func:`.prefill.paged_prefill` (the prefill kernel's ``PAGED`` path)
+for the calls :func:`.prefill.covers_paged` accepts: fp16/bf16 caches of the query's
 dtype (no float8 cache), head size 64/128/256 (differential 64/128), no ALiBi, a
 power-of-two block size, no forced split count or tiles, and query runs of at least one
 query tile on average (``T >= block_m * B``, 128 tokens a sequence at ``PAGED_TILES``);
@@ -121,7 +121,7 @@ def varlen_attention(
     """The ``compiled_attn::varlen_attention`` op on CUDA: attention over packed contiguous
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
     differential. Other arguments as :func:`paged_attention`. With :data:`PREFILL_KERNEL`
-    ``"hopper"``, covered calls go to :func:`.prefill_kernel.varlen_prefill`."""
+    ``"hopper"``, covered calls go to :func:`.prefill.varlen_prefill`."""
     if (PREFILL_KERNEL == "hopper" and num_splits is None and q.is_cuda
             and prefill_covers(q, k, v, lambda_full, alibi_slopes)):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
