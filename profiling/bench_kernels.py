@@ -203,8 +203,7 @@ def hopper_prefill_rows() -> list[ResultRow]:
             rows.append(ResultRow(f"prefill {case} {name}: hopper max |diff| vs unified", "abs", diff,
                                   "bf16 tolerance", 0.02, "<= 1.0"))
             for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
-                label = (f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
-                         + (" split" if tiles.value_split else ""))
+                label = tiles.label()
                 try:
                     ms = _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam_arg, tiles=tiles))
                 except Exception as err:  # a tile that does not compile or launch here: report, go on
@@ -262,7 +261,7 @@ def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 5
     rows = [ResultRow(f"{case}: hopper paged max |diff| vs unified", "abs", diff, "bf16 tolerance", 0.02, "<= 1.0")]
     default = PAGED_TILES[(D, False)]
     for tiles in (default, *PAGED_SWEEP_TILES[(D, False)]):
-        label = f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
+        label = tiles.label()
         try:
             paged_ms = _eager_ms(lambda: paged_prefill(*args, tiles=tiles))
             contiguous_ms = _eager_ms(lambda: varlen_prefill(query, k, v, cu_q, cu_k, tiles=tiles))

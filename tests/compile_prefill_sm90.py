@@ -3,10 +3,11 @@
 Run as a script in a process without ``TRITON_INTERPRET``: :func:`varlen_prefill` runs on
 small CPU tensors with its launches recorded instead of made (as ``compile_sm90.py``), at
 the :data:`HOPPER_TILES` of each case and with TMA descriptors on, and paged at
-:data:`PAGED_TILES` (:data:`PAGED_CASES`); each recorded launch goes through
+:data:`PAGED_TILES` (:data:`PAGED_CASES`), plus the sweeps' ``overlap`` tiles (case
+names end in `` sweep``); each recorded launch goes through
 ``triton.compile`` for sm90 down to the cubin, then Triton's bundled ``ptxas -v`` reports
 registers and spills of the PTX. Prints one JSON list of ``{case, tiles, shared,
-registers, spill_stores, spill_loads}``.
+registers, spill_stores, spill_loads, wgmma_serialized}``.
 
     python tests/compile_prefill_sm90.py
 """
@@ -33,23 +34,29 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
     record_launches(launches, case)
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
+    overlap = {key: [t for t in tiles if t.overlap] for key, tiles in prefill.SWEEP_TILES.items()}
     for (head_size, differential), tiles in prefill.HOPPER_TILES.items():
-        case[0] = f"{'differential' if differential else 'plain'} d{head_size} bf16"
-        q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
-        kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
-        lam = torch.full((16,), 0.5) if differential else None
-        prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=tiles, use_tma=True)
+        for every in (tiles, *overlap[head_size, differential]):
+            case[0] = f"{'differential' if differential else 'plain'} d{head_size} bf16"
+            case[0] += " sweep" if every is not tiles else ""
+            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+            kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
+            lam = torch.full((16,), 0.5) if differential else None
+            prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=every, use_tma=True)
+    paged_overlap = {key: [t for t in tiles if t.overlap] for key, tiles in prefill.PAGED_SWEEP_TILES.items()}
     for block_size, only in PAGED_CASES:
         for (head_size, differential), tiles in prefill.PAGED_TILES.items():
             if only is not None and (head_size, differential) not in only:
                 continue
-            case[0] = f"paged b{block_size} {'differential' if differential else 'plain'} d{head_size} bf16"
-            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
-            cache = torch.randn(64, block_size, 8, head_size, generator=g).to(torch.bfloat16)
-            table = torch.randperm(64, generator=g).to(torch.int32).view(2, 32)
-            seq_lens = torch.tensor([1124, 1380], dtype=torch.int32)
-            lam = torch.full((16,), 0.5) if differential else None
-            prefill.paged_prefill(q, cache, cache, cu, seq_lens, table, lam, tiles=tiles, use_tma=True)
+            for every in (tiles, *(paged_overlap[head_size, differential] if block_size == 16 else ())):
+                case[0] = f"paged b{block_size} {'differential' if differential else 'plain'} d{head_size} bf16"
+                case[0] += " sweep" if every is not tiles else ""
+                q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+                cache = torch.randn(64, block_size, 8, head_size, generator=g).to(torch.bfloat16)
+                table = torch.randperm(64, generator=g).to(torch.int32).view(2, 32)
+                seq_lens = torch.tensor([1124, 1380], dtype=torch.int32)
+                lam = torch.full((16,), 0.5) if differential else None
+                prefill.paged_prefill(q, cache, cache, cu, seq_lens, table, lam, tiles=every, use_tma=True)
     return launches
 
 
@@ -60,12 +67,14 @@ PAGED_CASES = ((16, None), (64, {(128, False)}), (256, {(128, False)}))
 
 
 def main() -> None:
+    from compiled_attn.ops.triton_kernels import prefill
+
     report = []
     for case, kernel, kwargs, options in recorded_launches():
         compiled = compile_for_sm90(kernel, kwargs, options)
         assert "cubin" in compiled.asm, "no cubin"
-        tiles = (f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{options['num_warps']} s{options['num_stages']}"
-                 + (" split" if kwargs["VALUE_SPLIT"] else ""))
+        tiles = prefill.PrefillTiles(kwargs["BLOCK_M"], kwargs["BLOCK_N"], options["num_warps"],
+                                     options["num_stages"], kwargs["VALUE_SPLIT"], kwargs["OVERLAP"]).label()
         report.append({"case": case, "tiles": tiles, "shared": compiled.metadata.shared,
                        **ptxas_usage(compiled.asm["ptx"])})
     print(json.dumps(report))

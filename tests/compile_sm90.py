@@ -122,8 +122,9 @@ def compile_for_sm90(kernel, kwargs: dict, options: dict):
 
 
 def ptxas_usage(ptx: str) -> dict:
-    """Registers a thread and spill bytes of the PTX's kernel (its ``maxnreg``, if any, is in
-    the PTX), from the bundled ``ptxas -v`` for sm_90a."""
+    """Registers a thread, spill bytes and whether ptxas serialized the kernel's wgmma
+    (``wgmma_serialized``) of the PTX's kernel (its ``maxnreg``, if any, is in the PTX), from
+    the bundled ``ptxas -v`` for sm_90a."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as folder:
@@ -134,7 +135,9 @@ def ptxas_usage(ptx: str) -> dict:
     log = done.stdout + done.stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
-    return {"registers": registers, "spill_stores": stores, "spill_loads": loads}
+    # ptxas C7515 and kin: every wgmma of the kernel issued synchronously
+    serialized = "wgmma.mma_async instructions are serialized" in log
+    return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "wgmma_serialized": serialized}
 
 
 def main() -> None:

@@ -47,7 +47,9 @@ INTERPRETED = DEVICE == "cpu"
 # a prefill without context, unequal lengths throughout.
 SEQS = [(0, 1), (37, 45), (32, 20), (5, 3), (64, 17), (0, 33), (100, 7)]
 # BLOCK_N against the block size: several blocks a key tile, one, or part of one.
-TILES = {"n64": PrefillTiles(16, 64, 4, 1), "n32": PrefillTiles(32, 32, 4, 1), "n16": PrefillTiles(16, 16, 4, 1)}
+TILES = {"n64": PrefillTiles(16, 64, 4, 1), "n32": PrefillTiles(32, 32, 4, 1), "n16": PrefillTiles(16, 16, 4, 1),
+         # the p v product of the previous key tile in flight during this one's softmax
+         "n16-overlap": PrefillTiles(16, 16, 4, 1, overlap=True)}
 
 
 def run(seqs, *, block_size=16, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
@@ -84,19 +86,20 @@ def test_padded_rows_and_empty_queries(use_tma):
         use_tma=use_tma, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["diff-scalar", "diff-pair", "diff-split"])
+@pytest.mark.parametrize("kind", ["diff-scalar", "diff-pair", "diff-split", "diff-split-overlap"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_differential(kind, block_size):
     lam = make_lambda(8, per_pair=kind != "diff-scalar", seed=len(kind))
-    tiles = PrefillTiles(16, 32, 4, 1, value_split=kind == "diff-split")
+    tiles = PrefillTiles(16, 32, 4, 1, value_split="split" in kind, overlap="overlap" in kind)
     run(SEQS, block_size=block_size, num_heads=8, num_kv_heads=2, lam=lam, tiles=tiles, seed=block_size)
 
 
 @pytest.mark.parametrize("window, causal", [((7, -1), True), ((40, -1), True), ((5, 3), False), ((-1, -1), False)],
                          ids=["left7", "left40", "both", "none-noncausal"])
 def test_windows_and_softcap(window, causal):
-    run(SEQS, block_size=16, num_heads=4, num_kv_heads=2, window=window, causal=causal, softcap=3.0, scale=0.3,
-        seed=sum(window) + 9)
+    for tiles in (TILES["n64"], TILES["n16-overlap"]):
+        run(SEQS, block_size=16, num_heads=4, num_kv_heads=2, window=window, causal=causal, softcap=3.0, scale=0.3,
+            tiles=tiles, seed=sum(window) + 9)
 
 
 @pytest.mark.parametrize("head_size", [64, 128])

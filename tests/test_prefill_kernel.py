@@ -44,6 +44,10 @@ INTERPRETED = DEVICE == "cpu"
 SMALL = PrefillTiles(16, 16, 4, 1)
 TALL = PrefillTiles(32, 16, 4, 1)  # block_m != block_n
 SPLIT = PrefillTiles(16, 16, 4, 1, value_split=True)
+# OVERLAP: the p v product of the previous key tile in flight during this one's softmax
+OVERLAP = PrefillTiles(16, 16, 4, 1, overlap=True)
+TALL_OVERLAP = PrefillTiles(32, 16, 4, 1, overlap=True)
+SPLIT_OVERLAP = PrefillTiles(16, 16, 4, 1, value_split=True, overlap=True)
 
 
 def run(q_lens, k_lens=None, *, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
@@ -83,17 +87,20 @@ LENS_K = [1, 37, 9, 0, 16, 6, 4]
 
 @pytest.mark.parametrize("use_tma", [True, False] if INTERPRETED else [None, False],
                          ids=lambda t: "ptr" if t is False else "tma")
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("kind", ["plain", "diff-scalar", "diff-pair", "diff-split"])
-def test_causal_varlen(kind, use_tma):
+def test_causal_varlen(kind, use_tma, overlap):
     lam = None if kind == "plain" else make_lambda(4, per_pair=kind != "diff-scalar", seed=len(kind))
-    run(LENS_Q, LENS_K, lam=lam, use_tma=use_tma, tiles=SPLIT if kind == "diff-split" else SMALL, seed=1)
+    tiles = (SPLIT_OVERLAP if overlap else SPLIT) if kind == "diff-split" else (OVERLAP if overlap else SMALL)
+    run(LENS_Q, LENS_K, lam=lam, use_tma=use_tma, tiles=tiles, seed=1)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (8, 2)], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 def test_gqa(num_heads, num_kv_heads, differential):
     lam = make_lambda(num_heads, per_pair=True, seed=num_heads) if differential else None
-    run([20, 3], [26, 3], num_heads=num_heads, num_kv_heads=num_kv_heads, lam=lam, tiles=TALL, seed=num_heads)
+    for tiles in (TALL, TALL_OVERLAP):
+        run([20, 3], [26, 3], num_heads=num_heads, num_kv_heads=num_kv_heads, lam=lam, tiles=tiles, seed=num_heads)
 
 
 @pytest.mark.parametrize("window, causal", [((7, -1), True), ((20, -1), True), ((5, 3), False), ((-1, 4), False),
@@ -102,7 +109,8 @@ def test_gqa(num_heads, num_kv_heads, differential):
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 def test_windows(window, causal, differential):
     lam = make_lambda(4, per_pair=True, seed=3) if differential else None
-    run([40, 2, 17], [40, 9, 30], lam=lam, causal=causal, window_size=window, seed=sum(window) + 50)
+    for tiles in (SMALL, OVERLAP):  # window-edge, interior (overlapped) and diagonal key tiles
+        run([40, 2, 17], [40, 9, 30], lam=lam, causal=causal, window_size=window, tiles=tiles, seed=sum(window) + 50)
 
 
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
@@ -111,6 +119,7 @@ def test_softcap_and_scale(differential):
     run([19, 4], [19, 11], lam=lam, softcap=2.0, scale=0.4, seed=11)
     run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 3.0], seed=12, window_size=(9, -1))
     run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 0.0], causal=False, seed=13)  # softcap 0: off
+    run([40, 4], [45, 11], lam=lam, softcap=2.0, scale=0.4, causal=False, tiles=OVERLAP, seed=14)
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
@@ -129,6 +138,7 @@ def test_many_sequences():
     q_lens = [int(x) for x in torch.randint(1, 35, (12,), generator=g)]
     k_lens = [q + int(torch.randint(0, 9, (), generator=g)) for q in q_lens]
     run(q_lens, k_lens, num_heads=2, num_kv_heads=1, seed=6)
+    run(q_lens, k_lens, num_heads=2, num_kv_heads=1, tiles=OVERLAP, seed=7)
     run([5, 0, 37, 1], [9, 4, 37, 1], tiles=TALL, seed=32)
 
 
@@ -164,23 +174,29 @@ SPILLS_ALLOWED = {"differential d128 bf16": 128}
 
 
 def test_compiles_for_sm90_without_spills():
-    """The real Hopper tiles (bf16, TMA), contiguous and paged, lower to a cubin for sm90
-    within 227 KiB of shared memory and without register spills beyond
-    :data:`SPILLS_ALLOWED` (``tests/compile_prefill_sm90.py``, in a process without
-    ``TRITON_INTERPRET``; no GPU needed)."""
+    """The real Hopper tiles (bf16, TMA), contiguous and paged, and the sweeps' ``overlap``
+    tiles lower to a cubin for sm90 within 227 KiB of shared memory, without register spills
+    beyond :data:`SPILLS_ALLOWED` and without ptxas serializing their wgmma (an ``if``
+    around the overlap loop did: every dot of the kernel synchronous)
+    (``tests/compile_prefill_sm90.py``, in a process without ``TRITON_INTERPRET``; no GPU
+    needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("compile_prefill_sm90.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    paged = [row for row in report if row["case"].startswith("paged")]
-    assert len(report) - len(paged) == len(HOPPER_TILES)
+    defaults = [row for row in report if not row["case"].endswith("sweep")]
+    paged = [row for row in defaults if row["case"].startswith("paged")]
+    assert len(defaults) - len(paged) == len(HOPPER_TILES)
     assert len(paged) >= len(PAGED_TILES)  # paged prefill (K/V by pointer loads) at block 16 and larger
+    overlap = sum(t.overlap for tiles in (*SWEEP_TILES.values(), *PAGED_SWEEP_TILES.values()) for t in tiles)
+    assert len(report) - len(defaults) == overlap > 0
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         allowed = SPILLS_ALLOWED.get(row["case"], 0)
         assert row["spill_stores"] <= allowed and row["spill_loads"] <= allowed, row
+        assert not row["wgmma_serialized"], row
 
 
 GPU_CASES = [(64, False), (128, False), (256, False), (64, True), (128, True)]

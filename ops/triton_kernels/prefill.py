@@ -32,13 +32,20 @@ from .prefill_kernel import UNBOUNDED, prefill_kernel
 class PrefillTiles(NamedTuple):
     """``block_m`` query tokens x ``block_n`` keys per step; Triton launch options;
     ``value_split`` (differential): one program per value head of a pair (see
-    :func:`prefill_kernel`'s ``VALUE_SPLIT``)."""
+    :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``overlap``: the next key tile's scores
+    issued before this one's softmax (``OVERLAP``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     value_split: bool = False
+    overlap: bool = False
+
+    def label(self) -> str:
+        """``128x64 w8 s3`` with `` split`` / `` overlap`` where set (benchmark rows)."""
+        return (f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + " split" * self.value_split + " overlap" * self.overlap)
 
 
 # Hopper tiles (bf16/fp16) for K/V through TMA (contiguous), by (head size, differential);
@@ -66,16 +73,29 @@ HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
 # Alternatives the benchmark times against HOPPER_TILES (the former defaults among them);
 # ms as above, the last run's (unified 0.812 / 9.08 plain) or, marked ``first``, the day's
 # first sweep's (unified 0.806 / 9.02 plain, 1.666 / 18.6 differential).
+# ``overlap`` tiles (FlashAttention-3's softmax / ``p v`` overlap, :func:`prefill_kernel`'s
+# ``OVERLAP``): not timed yet; sm90 offline (Triton 3.6), registers a thread and shared
+# memory, none spilling and none with serialized wgmma (tests/compile_prefill_sm90.py).
 SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
-    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4)),
+    (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4),
+                  PrefillTiles(128, 128, 8, 3, overlap=True),  # 225 registers, 128 KiB
+                  PrefillTiles(128, 64, 8, 3, overlap=True)),  # 129 registers, 72 KiB
     (128, False): (PrefillTiles(128, 128, 8, 2),  # 0.822 / 9.25 ms
                    PrefillTiles(128, 64, 8, 3),  # first 0.776 / 8.61
-                   PrefillTiles(64, 64, 4, 3)),  # 0.728 / 8.58
-    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2)),
-    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3)),
+                   PrefillTiles(64, 64, 4, 3),  # 0.728 / 8.58
+                   PrefillTiles(128, 128, 8, 2, overlap=True),  # 249 registers, 192 KiB
+                   PrefillTiles(128, 64, 8, 3, overlap=True),  # 169 registers, 144 KiB
+                   PrefillTiles(128, 64, 8, 4, overlap=True)),  # 169 registers, 176 KiB
+    (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2),
+                   PrefillTiles(128, 32, 8, 2, overlap=True)),  # 215 registers, 144 KiB
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3),
+                 PrefillTiles(128, 32, 8, 3, overlap=True),  # 251 registers, 88 KiB
+                 PrefillTiles(128, 64, 8, 3, value_split=True, overlap=True)),  # 251 registers, 112 KiB
     (128, True): (PrefillTiles(128, 32, 8, 3, value_split=True),  # first 1.660 / 19.14 ms
                   PrefillTiles(64, 64, 8, 2),  # first 1.555 / 17.98
-                  PrefillTiles(64, 32, 8, 3)),  # first 1.892 / 21.62
+                  PrefillTiles(64, 32, 8, 3),  # first 1.892 / 21.62
+                  PrefillTiles(128, 32, 8, 3, value_split=True, overlap=True),  # 255 registers, 144 KiB
+                  PrefillTiles(128, 32, 8, 2, value_split=True, overlap=True)),  # 255 registers, 120 KiB
 }
 # Tiles of K/V read by pointer loads: paged prefill (chunked prefill over a paged cache)
 # and contiguous K/V without TMA (not tma_ready, or a GPU before sm90). ``PAGED`` reads each
@@ -101,8 +121,10 @@ PAGED_TILES: dict[tuple[int, bool], PrefillTiles] = {
     (128, True): PrefillTiles(128, 32, 8, 3, value_split=True),
 }
 PAGED_SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
-    (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2)),
-    (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3)),
+    (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2),
+                  PrefillTiles(128, 64, 8, 3, overlap=True)),  # 184 registers, 56 KiB
+    (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3),
+                   PrefillTiles(128, 64, 8, 3, overlap=True)),  # 216 registers, 112 KiB
     (256, False): (PrefillTiles(128, 32, 8, 3),),
     (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2)),
     (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True)),
@@ -304,7 +326,7 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
             SOFTCAP=softcap > 0 or scale_softcap is not None, RUNTIME_SCALARS=scale_softcap is not None,
             WINDOW_LEFT=window, USE_TMA=use_tma, VALUE_SPLIT=differential and tiles.value_split,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1,
-            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0)
+            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0, OVERLAP=tiles.overlap)
         units = (num_heads if tiles.value_split else num_heads // 2) if differential else num_heads
         # strides: q; k and v as (block, token or slot, head, dim) (block 0 when contiguous); out; table row
         k_strides = k.stride() if paged else (0, *k.stride())

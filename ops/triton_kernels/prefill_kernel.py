@@ -177,6 +177,16 @@ def _softmax_step(m, l, acc, s, v, qk_scale, MASKED: tl.constexpr, RAW_MAX: tl.c
     ``RAW_MAX`` (``qk_scale > 0``): ``s`` and ``m`` are unscaled scores, the max is taken
     before scaling and the scale enters the exponent as one FMA ``s * qk_scale - m * qk_scale``
     (FlashAttention-3's form: no separate multiply of the score tile)."""
+    m_new, l, p, alpha = _softmax(m, l, s, qk_scale, MASKED, RAW_MAX)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _softmax(m, l, s, qk_scale, MASKED: tl.constexpr, RAW_MAX: tl.constexpr):
+    """The softmax half of :func:`_softmax_step`: ``(m_new, l_new, p, alpha)``, where the
+    accumulator's update is ``acc * alpha + p v``."""
     m_new = tl.maximum(m, tl.max(s, 1))
     if MASKED:
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -189,10 +199,50 @@ def _softmax_step(m, l, acc, s, v, qk_scale, MASKED: tl.constexpr, RAW_MAX: tl.c
     else:
         p = tl.exp2(s - m_new_safe[:, None])
         alpha = tl.exp2(m - m_new_safe)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    return m_new, l, acc
+    return m_new, l * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _tile_rows(table_row, kv_len, tile, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """``PAGED``: ``(block, slot)`` of key tile ``tile``'s rows (:func:`_paged_rows`), read
+    once for its K and V; else ``(0, 0)`` (unused)."""
+    if PAGED:
+        start = tile * BLOCK_N
+        return _paged_rows(table_row, start, kv_len - start, BLOCK_N, BLOCK_SIZE, MASKED)
+    else:
+        return 0, 0
+
+
+@triton.jit
+def _kv_tile(src, block, slot, kv_len, head, tile, stride_b, stride_t, stride_h, stride_d, COLS: tl.constexpr,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+             PAGED: tl.constexpr):
+    """``[BLOCK_N, COLS]`` of key tile ``tile`` of K or V, heads ``head ..``: through the
+    sequence's descriptor or pointer (:func:`_load_tile`), or, ``PAGED``, from the cache's
+    rows at ``(block, slot)`` (:func:`_tile_rows`); rows past ``kv_len`` read as zeros when
+    ``MASKED``."""
+    start = tile * BLOCK_N
+    if PAGED:
+        return _load_paged_tile(src, block, slot, kv_len - start, head, stride_b, stride_t, stride_h, stride_d,
+                                BLOCK_N, COLS, HEAD_SIZE, MASKED)
+    else:
+        return _load_tile(src, start, kv_len - start, head, stride_t, stride_h, stride_d, BLOCK_N, COLS, HEAD_SIZE,
+                          MASKED, USE_TMA)
+
+
+@triton.jit
+def _mask_scores(s1, s2, tile, pos, kv_len, min_dist, max_dist, DIFFERENTIAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores of key tile ``tile`` with ``-inf`` where a key is past ``kv_len`` or outside
+    ``min_dist <= pos - key <= max_dist``."""
+    kpos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_seq = kpos < kv_len
+    dist = pos[:, None] - kpos[None, :]
+    visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
+    s1 = tl.where(visible, s1, float("-inf"))
+    if DIFFERENTIAL:
+        s2 = tl.where(visible, s2, float("-inf"))
+    return s1, s2
 
 
 @triton.jit
@@ -202,47 +252,71 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
                DIFFERENTIAL: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                RUNTIME_SCALARS: tl.constexpr, USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr,
                VALUE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               RAW_MAX: tl.constexpr):
+               RAW_MAX: tl.constexpr, OVERLAP: tl.constexpr):
     """Key tiles ``[tile_begin, tile_end)`` of one sequence (``k_src``/``v_src`` start there;
     ``PAGED``: they are the caches and ``table_row`` the sequence's block-table row, and
     ``stride_kt``/``stride_vt`` the slot strides): one online-softmax state (plain) or two
     over the same loaded tiles (differential); values ``[BLOCK_N, VALUE_COLS]`` from head
-    ``v_head`` on."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tile_begin, tile_end):
-        start = tile * BLOCK_N
-        keys_left = kv_len - start
-        if PAGED:  # the tile's block ids, read once for K and V (and k2)
-            block, slot = _paged_rows(table_row, start, keys_left, BLOCK_N, BLOCK_SIZE, MASKED)
-            k1 = _load_paged_tile(k_src, block, slot, keys_left, kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
-                                  BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED)
-            v = _load_paged_tile(v_src, block, slot, keys_left, v_head, stride_vb, stride_vt, stride_vh, stride_vd,
-                                 BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED)
-        else:
-            k1 = _load_tile(k_src, start, keys_left, kv_head, stride_kt, stride_kh, stride_kd,
-                            BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
-            v = _load_tile(v_src, start, keys_left, v_head, stride_vt, stride_vh, stride_vd,
-                           BLOCK_N, VALUE_COLS, HEAD_SIZE, MASKED, USE_TMA)
-        s1 = _scores(q1, k1, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
-        if DIFFERENTIAL:
-            if PAGED:
-                k2 = _load_paged_tile(k_src, block, slot, keys_left, kv_head + 1, stride_kb, stride_kt, stride_kh,
-                                      stride_kd, BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED)
-            else:
-                k2 = _load_tile(k_src, start, keys_left, kv_head + 1, stride_kt, stride_kh, stride_kd,
-                                BLOCK_N, HEAD_SIZE, HEAD_SIZE, MASKED, USE_TMA)
-            s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
-        if MASKED:
-            kpos = start + offs_n
-            in_seq = kpos < kv_len
-            dist = pos[:, None] - kpos[None, :]
-            visible = (dist >= min_dist) & (dist <= max_dist) & in_seq[None, :]
-            s1 = tl.where(visible, s1, float("-inf"))
+    ``v_head`` on.
+
+    ``OVERLAP``: the ``p v`` product of tile ``j - 1`` is left in flight while the softmax
+    of tile ``j`` runs (FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024, arXiv
+    2407.08608, §3.2). Each step computes the scores of ``j`` (Triton waits for every
+    pending wgmma after a dot whose result the loop reads), issues ``acc * alpha_{j-1} +
+    p_{j-1} v_{j-1}``, then runs the softmax of ``j``; the first step's product is empty
+    (``p = 0``) and the last one follows the loop, unconditionally (no ``if`` around the
+    loop: ptxas serializes every wgmma of the kernel when a branch joins accumulators), so
+    with no tile it adds ``0 x`` the values of tile ``tile_begin`` read masked (zeros past
+    the keys, never a foreign block's rows, which may hold NaN)."""
+    if OVERLAP:
+        p1 = tl.zeros([pos.shape[0], BLOCK_N], tl.float32)
+        alpha1 = tl.full([pos.shape[0]], 1.0, tl.float32)
+        p2, alpha2 = p1, alpha1
+        block, slot = _tile_rows(table_row, kv_len, tile_begin, BLOCK_N, PAGED, BLOCK_SIZE, True)
+        for tile in tl.range(tile_begin, tile_end):
+            prev_block, prev_slot = block, slot
+            block, slot = _tile_rows(table_row, kv_len, tile, BLOCK_N, PAGED, BLOCK_SIZE, MASKED)
+            s1 = _scores(q1, _kv_tile(k_src, block, slot, kv_len, kv_head, tile, stride_kb, stride_kt, stride_kh,
+                                      stride_kd, HEAD_SIZE, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED),
+                         qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
+            s2 = s1
             if DIFFERENTIAL:
-                s2 = tl.where(visible, s2, float("-inf"))
-        m1, l1, acc1 = _softmax_step(m1, l1, acc1, s1, v, qk_scale, MASKED, RAW_MAX)
+                s2 = _scores(q2, _kv_tile(k_src, block, slot, kv_len, kv_head + 1, tile, stride_kb, stride_kt,
+                                          stride_kh, stride_kd, HEAD_SIZE, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED),
+                             qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
+            if MASKED:
+                s1, s2 = _mask_scores(s1, s2, tile, pos, kv_len, min_dist, max_dist, DIFFERENTIAL, BLOCK_N)
+            v = _kv_tile(v_src, prev_block, prev_slot, kv_len, v_head, tl.maximum(tile - 1, tile_begin), stride_vb,
+                         stride_vt, stride_vh, stride_vd, VALUE_COLS, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED)
+            acc1 = tl.dot(p1.to(v.dtype), v, acc1 * alpha1[:, None], input_precision="ieee")
+            if DIFFERENTIAL:
+                acc2 = tl.dot(p2.to(v.dtype), v, acc2 * alpha2[:, None], input_precision="ieee")
+            m1, l1, p1, alpha1 = _softmax(m1, l1, s1, qk_scale, MASKED, RAW_MAX)
+            if DIFFERENTIAL:
+                m2, l2, p2, alpha2 = _softmax(m2, l2, s2, qk_scale, MASKED, RAW_MAX)
+        v = _kv_tile(v_src, block, slot, kv_len, v_head, tl.maximum(tile_end - 1, tile_begin), stride_vb, stride_vt,
+                     stride_vh, stride_vd, VALUE_COLS, True, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED)
+        acc1 = tl.dot(p1.to(v.dtype), v, acc1 * alpha1[:, None], input_precision="ieee")
         if DIFFERENTIAL:
-            m2, l2, acc2 = _softmax_step(m2, l2, acc2, s2, v, qk_scale, MASKED, RAW_MAX)
+            acc2 = tl.dot(p2.to(v.dtype), v, acc2 * alpha2[:, None], input_precision="ieee")
+    else:
+        for tile in tl.range(tile_begin, tile_end):
+            block, slot = _tile_rows(table_row, kv_len, tile, BLOCK_N, PAGED, BLOCK_SIZE, MASKED)
+            k1 = _kv_tile(k_src, block, slot, kv_len, kv_head, tile, stride_kb, stride_kt, stride_kh, stride_kd,
+                          HEAD_SIZE, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED)
+            v = _kv_tile(v_src, block, slot, kv_len, v_head, tile, stride_vb, stride_vt, stride_vh, stride_vd,
+                         VALUE_COLS, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED)
+            s1 = _scores(q1, k1, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
+            s2 = s1
+            if DIFFERENTIAL:
+                k2 = _kv_tile(k_src, block, slot, kv_len, kv_head + 1, tile, stride_kb, stride_kt, stride_kh,
+                              stride_kd, HEAD_SIZE, MASKED, USE_TMA, HEAD_SIZE, BLOCK_N, PAGED)
+                s2 = _scores(q2, k2, qk_scale, scale, softcap, SOFTCAP, RUNTIME_SCALARS, RAW_MAX)
+            if MASKED:
+                s1, s2 = _mask_scores(s1, s2, tile, pos, kv_len, min_dist, max_dist, DIFFERENTIAL, BLOCK_N)
+            m1, l1, acc1 = _softmax_step(m1, l1, acc1, s1, v, qk_scale, MASKED, RAW_MAX)
+            if DIFFERENTIAL:
+                m2, l2, acc2 = _softmax_step(m2, l2, acc2, s2, v, qk_scale, MASKED, RAW_MAX)
     return m1, l1, acc1, m2, l2, acc2
 
 
@@ -262,7 +336,7 @@ def prefill_kernel(
     DIFFERENTIAL: tl.constexpr, LAMBDA_PER_PAIR: tl.constexpr, SOFTCAP: tl.constexpr,
     RUNTIME_SCALARS: tl.constexpr, WINDOW_LEFT: tl.constexpr, USE_TMA: tl.constexpr,
     VALUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Attention of ``BLOCK_M`` query tokens x one query head (pair) of one sequence.
 
@@ -406,17 +480,17 @@ def prefill_kernel(
             m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
             pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
     m1, l1, acc1, m2, l2, acc2 = _key_steps(
         m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
         pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, OVERLAP)
     m1, l1, acc1, m2, l2, acc2 = _key_steps(
         m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
         pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX)
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
 
     if DIFFERENTIAL:
         if LAMBDA_PER_PAIR:
