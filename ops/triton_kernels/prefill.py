@@ -32,8 +32,8 @@ from .prefill_kernel import UNBOUNDED, prefill_kernel
 class PrefillTiles(NamedTuple):
     """``block_m`` query tokens x ``block_n`` keys per step; Triton launch options;
     ``value_split`` (differential): one program per value head of a pair (see
-    :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``overlap``: the next key tile's scores
-    issued before this one's softmax (``OVERLAP``)."""
+    :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``overlap``: the previous key tile's ``p v``
+    product left in flight while this one's softmax runs (``OVERLAP``)."""
 
     block_m: int
     block_n: int

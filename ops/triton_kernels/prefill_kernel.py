@@ -19,7 +19,10 @@ FlashAttention-3's forward:
   strided tensors, GPUs before sm90);
 * the key range of a tile is cut in three: window-edge tiles (masked), interior tiles
   (every row sees every key: no mask, no ``-inf`` guard) and the diagonal / last partial
-  tiles (masked), so causal prefill runs the unmasked loop except on the diagonal;
+  tiles (masked), so causal prefill runs the unmasked loop except on the diagonal; with
+  ``OVERLAP`` (a tile option, :class:`.prefill.PrefillTiles`) the unmasked loop leaves each
+  tile's ``p v`` product in flight while the next tile's softmax runs (FlashAttention-3's
+  intra-warpgroup overlap);
 * base-2 softmax with ``scale * log2(e)`` folded into one multiply (FMA with the max); for a
   positive scale without softcap (``RAW_MAX``) the row max is taken over unscaled scores and
   the scale enters the exponent's FMA (no separate multiply of the score tile: 62 fewer
