@@ -100,14 +100,24 @@ def _load_tile(src, row, num_rows, head, stride_t, stride_h, stride_d, ROWS: tl.
     if USE_TMA:
         return src.load([row, head * HEAD_SIZE])
     else:
-        rows = tl.arange(0, ROWS)
-        cols = tl.arange(0, COLS)
-        ptrs = (src + (row + rows).to(tl.int64)[:, None] * stride_t
-                + ((head + cols // HEAD_SIZE) * stride_h + (cols % HEAD_SIZE) * stride_d)[None, :])
-        if MASKED:
-            return tl.load(ptrs, mask=(rows < num_rows)[:, None], other=0.0)
-        else:
-            return tl.load(ptrs)
+        row_offsets = (row + tl.arange(0, ROWS)).to(tl.int64) * stride_t
+        return _gather_rows(src, row_offsets, num_rows, head, stride_h, stride_d, ROWS, COLS, HEAD_SIZE, MASKED)
+
+
+@triton.jit
+def _gather_rows(base, row_offsets, num_rows, head, stride_h, stride_d, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 HEAD_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """``[ROWS, COLS]`` by pointer loads: row ``r`` at ``base + row_offsets[r]``, heads
+    ``head ..`` (``COLS / HEAD_SIZE`` adjacent heads); rows at or past ``num_rows`` read as
+    zeros when ``MASKED`` (unmasked loads must be in range)."""
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    ptrs = (base + row_offsets[:, None]
+            + ((head + cols // HEAD_SIZE) * stride_h + (cols % HEAD_SIZE) * stride_d)[None, :])
+    if MASKED:
+        return tl.load(ptrs, mask=(rows < num_rows)[:, None], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -140,14 +150,8 @@ def _load_paged_tile(cache, block, slot, keys_left, head, stride_b, stride_s, st
     adjacent heads); rows at or past ``keys_left`` read as zeros when ``MASKED``. Pointer
     loads: the pipeliner issues them as cp.async into shared memory (each row one
     contiguous ``HEAD_SIZE`` run of 16-byte vectors)."""
-    rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, COLS)
-    ptrs = (cache + (block * stride_b + slot * stride_s)[:, None]
-            + ((head + cols // HEAD_SIZE) * stride_h + (cols % HEAD_SIZE) * stride_d)[None, :])
-    if MASKED:
-        return tl.load(ptrs, mask=(rows < keys_left)[:, None], other=0.0)
-    else:
-        return tl.load(ptrs)
+    return _gather_rows(cache, block * stride_b + slot * stride_s, keys_left, head, stride_h, stride_d, ROWS, COLS,
+                        HEAD_SIZE, MASKED)
 
 
 @triton.jit
