@@ -19,30 +19,35 @@ flash-attn 2              ``flash_attn``                      the same, value he
 All three take ``softmax_scale``, ``causal`` (bottom-right aligned), ``window_size`` and
 ``softcap`` with our semantics; ALiBi and per-call scalars as a tensor (``scale_softcap``)
 stay on our kernel. Differential attention (interleaved head pairs, Ye et al. 2024) can run
-as **two** flash calls, ``attn(q1, k1, [v1 | v2])`` and ``attn(q2, k2, [v1 | v2])`` with a
-value head of ``2 * head_size`` (flash-attn 4, ``head_size <= 128``); the seed's four calls
-are never faster than our fused kernel and are not offered. Nothing is copied on the way in:
+(:data:`FLASH_DIFFERENTIAL`, where our Hopper prefill kernel does not take it) as **two**
+flash calls, ``attn(q1, k1, [v1 | v2])`` and ``attn(q2, k2, [v1 | v2])`` with a value head
+of ``2 * head_size`` (flash-attn 4, ``head_size <= 128``); the seed's four calls are never
+faster than our fused kernel and are not offered. Nothing is copied on the way in:
 ``q1 = q[:, 0::2]`` (and ``q2``, ``k1``, ``k2``) are strided views that flash-attn 4 takes
 as they are (last dim contiguous, 16-byte aligned strides: ``maybe_contiguous`` of its
-``cute_dsl_utils``), and since the pair's two value
-heads lie side by side, ``[v1 | v2]`` is ``v.reshape(Tk, Hkv/2, 2D)``, a view (a copy only if
-v's heads are not ``D`` apart). The two outputs ``[T, Hq/2, 2D]`` are combined by one Triton
-kernel (:mod:`.triton_kernels.combine_kernel`): ``out1 - lambda * out2`` in float32, cast
-to q's dtype, one read of each output and one write, bit-identical to the eager
+``cute_dsl_utils``), and since the pair's two value heads lie side by side, ``[v1 | v2]`` is
+``v.reshape(Tk, Hkv/2, 2D)``, a view (a copy only if v's heads are not ``D`` apart). The two
+outputs ``[T, Hq/2, 2D]`` are combined by one Triton kernel
+(:mod:`.triton_kernels.combine_kernel`): ``out1 - lambda * out2`` in float32, cast to q's
+dtype, one read of each output and one write, bit-identical to the eager
 ``(out1.float() - lambda * out2.float()).to(dtype)`` (five kernels with float32
 temporaries). flash-attn 4's public ``flash_attn_varlen_func`` takes no ``out=`` buffer, so
 each call allocates its own output.
 
-Which one runs is :data:`FLASH_DIFFERENTIAL`, from ``profiling/bench_kernels.py --parts
-flash`` (``profiling/results/kernels.md``; on the H200, bf16, causal, Hq 32, Hkv 8, D 128,
-2026-11-30, back-to-back calls): differential prefill took 1.064 ms as two flash calls inside
-the op against 1.670 ms on our fused kernel at B=8, S=2048 (12.1 ms against 18.7 ms for 64
-sequences of 128-4096 tokens), flash-attn 4 alone 1.571 ms with a concatenated ``[v1 | v2]``
-and an eager combine, 1.741 ms as the seed's four calls, and 0.979 ms for its two calls with
-no combine at all; plain prefill 0.557 ms through the op against 0.541 ms for flash-attn 4
-alone and 0.813 ms on our kernel. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on
-our kernel (flash-attn 4's host time per call). :func:`disabled` turns the backend off
-for a block of code (the benchmark's TTFT rows with and without flash-attn).
+Which one runs follows ``profiling/bench_kernels.py --parts flash``
+(``profiling/results/kernels.md``; on the H200, bf16, causal, Hq 32, Hkv 8, D 128,
+2026-12-01, back-to-back calls): differential prefill took 1.055 ms as two flash calls inside
+the op against 0.958 ms on our fused Hopper prefill kernel at B=8, S=2048 (12.1 ms against
+11.1 ms for 64 sequences of 128-4096 tokens), flash-attn 4 alone 1.563 ms with a
+concatenated ``[v1 | v2]`` and an eager combine, 1.764 ms as the seed's four calls, and
+0.987 ms for its two calls with no combine at all. So the head sizes our varlen launcher
+routes to that kernel (``triton_kernels.attention.PREFILL_HEAD_SIZES``: 128) stay on it
+(:func:`hopper_takes`), and the others, timed on neither side, take the two calls
+(:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
+flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel (0.806 on the unified one):
+flash-attn 4. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on our kernel
+(flash-attn 4's host time per call). :func:`disabled` turns the backend off for a block of
+code (the benchmark's TTFT rows with and without flash-attn).
 
 *Paged prefill.* flash-attn 4's ``flash_attn_varlen_func`` reads our paged cache as it is:
 ``page_table=block_table`` (int32 ``[B, max_blocks]``), ``seqused_k=seq_lens`` and
@@ -84,8 +89,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton kernels run on CPU tensors (its interpreter): :func:`combine` takes the kernel there too."""
 
 FLASH_DIFFERENTIAL = True
-"""Whether covered differential prefills run as two flash calls (else our fused kernel):
-on, as measured (see the module docstring)."""
+"""Whether covered differential prefills run as two flash calls (else our fused kernel),
+except those our Hopper prefill kernel takes (:func:`hopper_takes`: measured faster, see
+the module docstring)."""
 
 MIN_QUERY_TOKENS = 4096
 """Calls with fewer query tokens (``q.shape[0]``) stay on our kernel. flash-attn 4 spends
@@ -143,7 +149,20 @@ def plan(library: FlashLibrary, q: Tensor, lambda_full: Tensor | None, alibi_slo
         return None
     if lambda_full is None:
         return "plain"
-    return "differential" if FLASH_DIFFERENTIAL and 2 * head_size <= library.max_value_head_size else None
+    if not FLASH_DIFFERENTIAL or 2 * head_size > library.max_value_head_size or hopper_takes(head_size):
+        return None
+    return "differential"
+
+
+def hopper_takes(head_size: int) -> bool:
+    """Whether our varlen launcher routes covered calls of ``head_size`` to our Hopper
+    prefill kernel (``triton_kernels.attention.PREFILL_KERNEL`` is ``"hopper"`` and the size
+    is in its ``PREFILL_HEAD_SIZES``; on an sm90+ GPU): differential prefill is faster there
+    than flash-attn 4's two calls on the H200 (the module docstring), so :func:`plan` leaves
+    such calls to it."""
+    from .triton_kernels import attention as launchers
+
+    return launchers.PREFILL_KERNEL == "hopper" and head_size in launchers.PREFILL_HEAD_SIZES
 
 
 def _window(library: FlashLibrary, window_left: int, window_right: int) -> tuple:

@@ -50,11 +50,14 @@ def recorded_launches() -> list[tuple[str, object, dict]]:
                                    num_splits=4)
     case[0] = "varlen"
     triton_kernels.varlen_attention(q, q[:, :2], q[:, :2], cu, cu)
-    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES
-    for name, lam in (("varlen prefill", None), ("varlen prefill differential", torch.full((4,), 0.5))):
+    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, PrefillTiles
+    lam, sequential = torch.full((4,), 0.5), PrefillTiles(128, 64, 8, 3, sequential=True)
+    # the sequential schedule reads back the first component from its output rows
+    for name, lam, tiles in (("varlen prefill", None, HOPPER_TILES[(64, False)]),
+                             ("varlen prefill differential", lam, HOPPER_TILES[(64, True)]),
+                             ("varlen prefill differential sequential", lam, sequential)):
         case[0] = name
-        triton_kernels.varlen_prefill(q, q[:, :2], q[:, :2], cu, cu, lam, tiles=HOPPER_TILES[(64, lam is not None)],
-                                      use_tma=True)
+        triton_kernels.varlen_prefill(q, q[:, :2], q[:, :2], cu, cu, lam, tiles=tiles, use_tma=True)
     case[0] = "reshape_and_cache"
     triton_kernels.reshape_and_cache(q[:, :2], q[:, :2], cache, cache, torch.tensor([0, 5, -1]))
     case[0] = "reshape_and_cache fp8"

@@ -133,7 +133,9 @@ def test_plan_takes_what_the_library_covers(flash, monkeypatch):
     flash(4)
     fa4 = flash_backend.find_library()
     assert flash_backend.plan(fa4, q, None, None, None) == "plain"
-    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"  # measured faster than our fused kernel
+    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"  # D 64: the two calls
+    # D 128: our Hopper prefill kernel, measured faster (PREFILL_HEAD_SIZES)
+    assert flash_backend.plan(fa4, batch(g, head_size=128)[0], lam, None, None) is None
     monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", False)
     assert flash_backend.plan(fa4, q, lam, None, None) is None
     monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", True)

@@ -61,8 +61,14 @@ def test_compiled_paged_attention_launches_our_kernels(seqs, differential):
     assert bool((got[pad_rows] == 0).all())
 
 
-def test_compiled_varlen_attention_launches_our_kernels_and_trains():
-    """Forward traced through the launcher, backward through the op's gradient formula."""
+@pytest.mark.parametrize("kernel", ["attention_kernel", "prefill_kernel"])
+def test_compiled_varlen_attention_launches_our_kernels_and_trains(kernel, monkeypatch):
+    """Forward traced through the launcher (the unified kernel, or the Hopper prefill kernel
+    that ``PREFILL_KERNEL`` routes covered head sizes to), backward through the op's
+    gradient formula."""
+    from compiled_attn.ops.triton_kernels import attention
+
+    monkeypatch.setattr(attention, "PREFILL_HEAD_SIZES", frozenset({64} if kernel == "prefill_kernel" else ()))
     g = torch.Generator().manual_seed(3)
     lens = [1, 70, 129]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -76,7 +82,7 @@ def test_compiled_varlen_attention_launches_our_kernels_and_trains():
     expected_loss = loss(q, k, v)
     expected = torch.autograd.grad(expected_loss, (q, k, v))
     got_loss, code = compiled_code(loss, q, k, v)
-    assert "attention_kernel" in code and f"{OP_CALL}.varlen_attention.default" not in code
+    assert kernel in code and f"{OP_CALL}.varlen_attention.default" not in code
     torch.testing.assert_close(got_loss, expected_loss, rtol=1e-3, atol=0)
     for a, b in zip(torch.autograd.grad(got_loss, (q, k, v)), expected):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)

@@ -32,8 +32,10 @@ from compiled_attn.ops import flash_backend, triton_kernels  # noqa: E402
 @pytest.fixture(autouse=True)
 def any_size(monkeypatch):
     """The backend takes these small batches (``MIN_QUERY_TOKENS`` keeps calls under 4096
-    query tokens on our kernel in use)."""
+    query tokens on our kernel in use), and their differential calls at head size 128 (which
+    our Hopper prefill kernel takes in use: ``flash_backend.hopper_takes``)."""
     monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", 1)
+    monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset())
 
 
 def batch(head_size=128):

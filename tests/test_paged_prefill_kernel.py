@@ -86,11 +86,13 @@ def test_padded_rows_and_empty_queries(use_tma):
         use_tma=use_tma, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["diff-scalar", "diff-pair", "diff-split", "diff-split-overlap"])
+@pytest.mark.parametrize("kind", ["diff-scalar", "diff-pair", "diff-split", "diff-split-overlap", "diff-sequential",
+                                  "diff-sequential-overlap"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_differential(kind, block_size):
     lam = make_lambda(8, per_pair=kind != "diff-scalar", seed=len(kind))
-    tiles = PrefillTiles(16, 32, 4, 1, value_split="split" in kind, overlap="overlap" in kind)
+    tiles = PrefillTiles(16, 32, 4, 1, value_split="split" in kind, overlap="overlap" in kind,
+                         sequential="sequential" in kind)
     run(SEQS, block_size=block_size, num_heads=8, num_kv_heads=2, lam=lam, tiles=tiles, seed=block_size)
 
 

@@ -48,6 +48,10 @@ SPLIT = PrefillTiles(16, 16, 4, 1, value_split=True)
 OVERLAP = PrefillTiles(16, 16, 4, 1, overlap=True)
 TALL_OVERLAP = PrefillTiles(32, 16, 4, 1, overlap=True)
 SPLIT_OVERLAP = PrefillTiles(16, 16, 4, 1, value_split=True, overlap=True)
+# SEQUENTIAL (differential): the two components one after the other, component 1 parked in the output
+SEQUENTIAL = PrefillTiles(16, 16, 4, 1, sequential=True)
+SEQUENTIAL_OVERLAP = PrefillTiles(16, 16, 4, 1, overlap=True, sequential=True)
+TALL_SEQUENTIAL = PrefillTiles(32, 16, 4, 1, sequential=True)
 
 
 def run(q_lens, k_lens=None, *, num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, lam=None,
@@ -88,10 +92,11 @@ LENS_K = [1, 37, 9, 0, 16, 6, 4]
 @pytest.mark.parametrize("use_tma", [True, False] if INTERPRETED else [None, False],
                          ids=lambda t: "ptr" if t is False else "tma")
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
-@pytest.mark.parametrize("kind", ["plain", "diff-scalar", "diff-pair", "diff-split"])
+@pytest.mark.parametrize("kind", ["plain", "diff-scalar", "diff-pair", "diff-split", "diff-sequential"])
 def test_causal_varlen(kind, use_tma, overlap):
     lam = None if kind == "plain" else make_lambda(4, per_pair=kind != "diff-scalar", seed=len(kind))
-    tiles = (SPLIT_OVERLAP if overlap else SPLIT) if kind == "diff-split" else (OVERLAP if overlap else SMALL)
+    tiles = {"diff-split": (SPLIT, SPLIT_OVERLAP), "diff-sequential": (SEQUENTIAL, SEQUENTIAL_OVERLAP)}.get(
+        kind, (SMALL, OVERLAP))[overlap]
     run(LENS_Q, LENS_K, lam=lam, use_tma=use_tma, tiles=tiles, seed=1)
 
 
@@ -99,7 +104,7 @@ def test_causal_varlen(kind, use_tma, overlap):
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 def test_gqa(num_heads, num_kv_heads, differential):
     lam = make_lambda(num_heads, per_pair=True, seed=num_heads) if differential else None
-    for tiles in (TALL, TALL_OVERLAP):
+    for tiles in (TALL, TALL_OVERLAP, *((TALL_SEQUENTIAL,) if differential else ())):
         run([20, 3], [26, 3], num_heads=num_heads, num_kv_heads=num_kv_heads, lam=lam, tiles=tiles, seed=num_heads)
 
 
@@ -109,7 +114,8 @@ def test_gqa(num_heads, num_kv_heads, differential):
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
 def test_windows(window, causal, differential):
     lam = make_lambda(4, per_pair=True, seed=3) if differential else None
-    for tiles in (SMALL, OVERLAP):  # window-edge, interior (overlapped) and diagonal key tiles
+    # window-edge, interior (overlapped) and diagonal key tiles
+    for tiles in (SMALL, OVERLAP, *((SEQUENTIAL_OVERLAP,) if differential else ())):
         run([40, 2, 17], [40, 9, 30], lam=lam, causal=causal, window_size=window, tiles=tiles, seed=sum(window) + 50)
 
 
@@ -120,6 +126,16 @@ def test_softcap_and_scale(differential):
     run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 3.0], seed=12, window_size=(9, -1))
     run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 0.0], causal=False, seed=13)  # softcap 0: off
     run([40, 4], [45, 11], lam=lam, softcap=2.0, scale=0.4, causal=False, tiles=OVERLAP, seed=14)
+    if differential:
+        run([19, 4], [19, 11], lam=lam, scale_softcap=[0.3, 3.0], seed=15, tiles=SEQUENTIAL)
+
+
+def test_split_and_sequential_exclude_each_other():
+    batch = make_varlen_batch([4], [4], num_heads=4, num_kv_heads=2, head_size=16, seed=0)
+    args = [t.to(DEVICE) for t in batch.attention_args()]
+    with pytest.raises(ValueError, match="value_split and sequential"):
+        varlen_prefill(*args, make_lambda(4, per_pair=True, seed=0).to(DEVICE),
+                       tiles=PrefillTiles(16, 16, 4, 1, value_split=True, sequential=True))
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
@@ -128,6 +144,9 @@ def test_head_sizes_fp16(head_size, differential):
     lam = make_lambda(4, per_pair=True, seed=head_size) if differential else None
     run([18, 1, 5], [18, 1, 9], head_size=head_size, dtype=torch.float16, lam=lam, seed=head_size,
         tiles=SPLIT if differential and head_size == 128 else SMALL)
+    if differential:
+        run([18, 1, 5], [18, 1, 9], head_size=head_size, dtype=torch.float16, lam=lam, seed=head_size + 1,
+            tiles=SEQUENTIAL)
 
 
 def test_many_sequences():
@@ -154,8 +173,8 @@ def test_tiles_by_kv_loads():
 
 def test_covers_and_routing_switch():
     """The predicate takes fp16/bf16 D 64/128/256 (differential 64/128) without ALiBi; the
-    op keeps the unified kernel until ``PREFILL_KERNEL`` is flipped."""
-    assert attention_launchers.PREFILL_KERNEL == "unified"
+    op routes covered calls here (``PREFILL_KERNEL``, on sm90+ GPUs)."""
+    assert attention_launchers.PREFILL_KERNEL == "hopper"
     bf16 = dict(dtype=torch.bfloat16)
     for size, lam, expected in ((64, None, True), (128, None, True), (256, None, True), (96, None, False),
                                 (128, torch.tensor(0.5), True), (256, torch.tensor(0.5), False)):
@@ -167,15 +186,16 @@ def test_covers_and_routing_switch():
     assert set(SWEEP_TILES) == set(HOPPER_TILES)
 
 
-# Differential D 128 at 128x64 w8 s2 split: Triton 3.6's ptxas spills a little (44 bytes
-# stored, 84 loaded a thread at 255 registers; 3.9: 252 registers, none), and the H200
-# timed it with that spill as the fastest differential tile (HOPPER_TILES): bytes allowed.
-SPILLS_ALLOWED = {"differential d128 bf16": 128}
+# The differential sequential schedule at D 128 runs at 255 registers: its default spills 40
+# bytes with Triton 3.9 (none with 3.6, which the H200 ran and timed), sweep alternatives up to
+# 8 with either; timed as they are.
+SPILLS_ALLOWED = {"differential d128 bf16": 64, "differential d128 bf16 sweep": 16,
+                  "paged b16 differential d128 bf16 sweep": 16}
 
 
 def test_compiles_for_sm90_without_spills():
     """The real Hopper tiles (bf16, TMA), contiguous and paged, and the sweeps' ``overlap``
-    tiles lower to a cubin for sm90 within 227 KiB of shared memory, without register spills
+    and ``sequential`` tiles lower to a cubin for sm90 within 227 KiB of shared memory, without register spills
     beyond :data:`SPILLS_ALLOWED` and without ptxas serializing their wgmma (an ``if``
     around the overlap loop did: every dot of the kernel synchronous)
     (``tests/compile_prefill_sm90.py``, in a process without ``TRITON_INTERPRET``; no GPU
@@ -190,7 +210,8 @@ def test_compiles_for_sm90_without_spills():
     paged = [row for row in defaults if row["case"].startswith("paged")]
     assert len(defaults) - len(paged) == len(HOPPER_TILES)
     assert len(paged) >= len(PAGED_TILES)  # paged prefill (K/V by pointer loads) at block 16 and larger
-    overlap = sum(t.overlap for tiles in (*SWEEP_TILES.values(), *PAGED_SWEEP_TILES.values()) for t in tiles)
+    overlap = sum(t.overlap or t.sequential for tiles in (*SWEEP_TILES.values(), *PAGED_SWEEP_TILES.values())
+                  for t in tiles)
     assert len(report) - len(defaults) == overlap > 0
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
@@ -231,13 +252,26 @@ def test_gpu_real_tiles(head_size, differential, tiles_from):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU")
-def test_gpu_op_routes_when_switched(monkeypatch):
-    """With ``PREFILL_KERNEL = "hopper"`` the op's CUDA launcher gives the same result
-    through the prefill kernel (and still the unified kernel for ALiBi)."""
+def test_gpu_op_routes_to_the_prefill_kernel(monkeypatch):
+    """By default (``PREFILL_KERNEL = "hopper"``) the op's CUDA launcher runs covered calls of
+    head size 128 (``PREFILL_HEAD_SIZES``), plain and differential, through the prefill
+    kernel, with the unified kernel's result (``PREFILL_KERNEL = "unified"``), and ALiBi
+    through the unified kernel."""
+    assert 128 in attention_launchers.PREFILL_HEAD_SIZES
     batch = make_varlen_batch([200, 37], [200, 50], num_heads=8, num_kv_heads=2, head_size=128,
                               dtype=torch.bfloat16, seed=3)
     args = [t.to(DEVICE) for t in batch.attention_args()]
-    unified = attention_launchers.varlen_attention(*args)
+    calls = []
+    prefill = attention_launchers.varlen_prefill
+    monkeypatch.setattr(attention_launchers, "varlen_prefill", lambda *a, **kw: calls.append(a) or prefill(*a, **kw))
+    for lam in (None, make_lambda(8, per_pair=True, seed=4).to(DEVICE)):
+        monkeypatch.setattr(attention_launchers, "PREFILL_KERNEL", "hopper")
+        routed = attention_launchers.varlen_attention(*args, lam)
+        assert len(calls) == 1 + (lam is not None)
+        monkeypatch.setattr(attention_launchers, "PREFILL_KERNEL", "unified")
+        unified = attention_launchers.varlen_attention(*args, lam)
+        assert len(calls) == 1 + (lam is not None)
+        torch.testing.assert_close(routed, unified, atol=2e-2, rtol=2e-2)
     monkeypatch.setattr(attention_launchers, "PREFILL_KERNEL", "hopper")
-    routed = attention_launchers.varlen_attention(*args)
-    torch.testing.assert_close(routed, unified, atol=2e-2, rtol=2e-2)
+    attention_launchers.varlen_attention(*args, alibi_slopes=torch.rand(8, device=DEVICE))
+    assert len(calls) == 2

@@ -29,6 +29,7 @@ EXPECTED = {
     ("varlen", "attention_kernel"): ["out_ptr"],
     ("varlen prefill", "prefill_kernel"): ["out_ptr"],
     ("varlen prefill differential", "prefill_kernel"): ["out_ptr"],
+    ("varlen prefill differential sequential", "prefill_kernel"): ["out_ptr"],
     ("reshape_and_cache", "reshape_and_cache_kernel"): ["key_cache_ptr", "value_cache_ptr"],
     ("reshape_and_cache fp8", "reshape_and_cache_kernel"): ["key_cache_ptr", "value_cache_ptr"],
     ("varlen backward", "attention_backward_dq_kernel"): ["delta_ptr", "dq_ptr", "lse_ptr"],

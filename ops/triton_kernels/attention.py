@@ -32,15 +32,24 @@ from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guar
 from .merge_kernel import merge_block_v, merge_splits_kernel
 from .prefill import covers as prefill_covers
 from .prefill import covers_paged as paged_prefill_covers
-from .prefill import paged_prefill, varlen_prefill
+from .prefill import has_tma, paged_prefill, varlen_prefill
 
-PREFILL_KERNEL = "unified"
+PREFILL_KERNEL = "hopper"
 """Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
-every call) or ``"hopper"`` (:mod:`.prefill` for the calls its ``covers`` accepts:
-fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
+every call) or ``"hopper"`` (:mod:`.prefill` for the calls its ``covers`` accepts on an sm90+
+GPU: fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
 the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA, else
-``PAGED_TILES``). Read at each call (and at trace time under ``torch.compile``), so a
-benchmark can flip it."""
+``PAGED_TILES``). ``"hopper"`` as measured on the H200 (2026-12-01, bf16, causal, Hq 32,
+Hkv 8, D 128, ``profiling/bench_kernels.py --parts prefill``): B=8 S=2048 plain 0.758 ms
+against the unified kernel's 0.806, differential 0.929 against 1.667 (64 sequences of
+128-4096 tokens: 8.26 / 9.02 plain, 11.02 / 18.73 differential), for the head sizes of
+:data:`PREFILL_HEAD_SIZES`. Read at each call (and at trace time under ``torch.compile``), so
+a benchmark can flip it."""
+
+PREFILL_HEAD_SIZES = frozenset({128})
+"""Head sizes whose covered ``varlen_attention`` calls ``PREFILL_KERNEL = "hopper"`` routes to
+the Hopper prefill kernel: those timed faster there (above). 64 and 256 are covered and tested
+on the H200 but not yet timed against the unified kernel, which keeps them."""
 
 PAGED_PREFILL_KERNEL = "unified"
 """Which kernel serves ``paged_attention`` on CUDA: ``"unified"`` (every call) or
@@ -50,11 +59,11 @@ dtype (no float8 cache), head size 64/128/256 (differential 64/128), no ALiBi, a
 power-of-two block size, no forced split count or tiles, and query runs of at least one
 query tile on average (``T >= block_m * B``, 128 tokens a sequence at ``PAGED_TILES``);
 the unified kernel for the rest (decode, mixed batches of mostly decode rows). On the H200
-(2026-12-01, B=8, 512 new tokens after 4096 cached, block 16, plain D 128) the paged path
-took 0.830 ms against the unified kernel's 1.169; the default stays ``"unified"`` until the
-merged state (RAW_MAX on this path too) is timed (``profiling/bench_kernels.py --parts
-prefill``). Read at each call (and at trace time under ``torch.compile``), so a benchmark
-can flip it."""
+(2026-12-01, B=8, 512 new tokens after 4096 cached, block 16, D 128, ``profiling/bench_kernels.py
+--parts prefill``) the paged path took 0.817 ms against the unified kernel's 1.161 plain and
+1.922 against 2.105 differential; the default stays ``"unified"`` until the engine's GPU tests
+(mixed-step graphs, chunked prefill, prefix hits) have run with it. Read at each call (and at
+trace time under ``torch.compile``), so a benchmark can flip it."""
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
 SPLIT_ALIGN = 16  # elements: every split of the split buffers starts at a multiple (split_strides)
@@ -122,8 +131,8 @@ def varlen_attention(
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
     differential. Other arguments as :func:`paged_attention`. With :data:`PREFILL_KERNEL`
     ``"hopper"``, covered calls go to :func:`.prefill.varlen_prefill`."""
-    if (PREFILL_KERNEL == "hopper" and num_splits is None and q.is_cuda
-            and prefill_covers(q, k, v, lambda_full, alibi_slopes)):
+    if (PREFILL_KERNEL == "hopper" and num_splits is None and q.is_cuda and q.shape[-1] in PREFILL_HEAD_SIZES
+            and has_tma(q.get_device()) and prefill_covers(q, k, v, lambda_full, alibi_slopes)):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                               window_right, softcap, None, scale_softcap, out=out)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, k.shape[0], lambda_full, scale, causal,

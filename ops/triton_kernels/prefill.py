@@ -33,7 +33,10 @@ class PrefillTiles(NamedTuple):
     """``block_m`` query tokens x ``block_n`` keys per step; Triton launch options;
     ``value_split`` (differential): one program per value head of a pair (see
     :func:`prefill_kernel`'s ``VALUE_SPLIT``); ``overlap``: the previous key tile's ``p v``
-    product left in flight while this one's softmax runs (``OVERLAP``)."""
+    product left in flight while this one's softmax runs (``OVERLAP``); ``sequential``
+    (differential, not with ``value_split``): one program per pair runs the two softmax
+    components one after the other, each over the whole ``[v1 | v2]`` values
+    (``SEQUENTIAL``)."""
 
     block_m: int
     block_n: int
@@ -41,41 +44,45 @@ class PrefillTiles(NamedTuple):
     num_stages: int
     value_split: bool = False
     overlap: bool = False
+    sequential: bool = False
 
     def label(self) -> str:
-        """``128x64 w8 s3`` with `` split`` / `` overlap`` where set (benchmark rows)."""
+        """``128x64 w8 s3`` with `` split`` / `` overlap`` / `` sequential`` where set
+        (benchmark rows)."""
         return (f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
-                + " split" * self.value_split + " overlap" * self.overlap)
+                + " split" * self.value_split + " overlap" * self.overlap + " sequential" * self.sequential)
 
 
 # Hopper tiles (bf16/fp16) for K/V through TMA (contiguous), by (head size, differential);
 # registers a thread and shared memory from ptxas on sm90 with Triton 3.6
 # (tests/compile_prefill_sm90.py). Float32 accumulators per program: plain block_m x D;
-# differential 2 x block_m x 2D, or with value_split 2 x block_m x D (at 8 warps 32768
-# floats are 128 registers a thread). A differential 64-row tile (D 128 unsplit) makes
-# Triton replicate the score dot across both warpgroups (mma warpsPerCTA [8, 1] over 64
-# rows) and spills: avoided. D 128 chosen on the H200 (2026-12-01, bf16, causal, Hq 32,
+# differential 2 x block_m x 2D, with value_split 2 x block_m x D, sequential block_m x 2D
+# (at 8 warps 32768 floats are 128 registers a thread). A differential 64-row tile (D 128
+# unsplit, not sequential) makes Triton replicate the score dot across both warpgroups (mma
+# warpsPerCTA [8, 1] over 64 rows) and spills: avoided. D 128 chosen on the H200 (2026-12-01, bf16, causal, Hq 32,
 # Hkv 8; profiling/bench_kernels.py --parts prefill; ms at B=8 S=2048 / 64 sequences of
 # 128-4096 tokens): plain 128x128 w8 s3 0.755 / 8.27 against the unified kernel's
 # 0.812 / 9.08 (128x128 w8 s2, the former default, 0.822 / 9.25; 64x64 w4 s3 0.728 / 8.58,
-# faster at B=8 S=2048 only); differential 128x64 w8 s2 split 1.436 / 16.45 against the
-# unified kernel's 1.678 / 18.71. D 64 and 256: not timed yet.
+# faster at B=8 S=2048 only). Differential D 128 (second run of the day): 128x64 w8 s3
+# sequential 0.929 / 11.02 against the former default 128x64 w8 s2 split's 1.440 / 16.38
+# and the unified kernel's 1.667 / 18.73 (flash-attn 4's two calls alone, no combine,
+# 0.987 / 11.42 in the same session). D 64 and 256: not timed yet.
 HOPPER_TILES: dict[tuple[int, bool], PrefillTiles] = {
     (64, False): PrefillTiles(128, 128, 8, 3),  # 211 registers, 113 KiB shared
     (128, False): PrefillTiles(128, 128, 8, 3),  # 233 registers, 225 KiB (of 227)
     (256, False): PrefillTiles(128, 32, 8, 2),  # 198 registers, 128 KiB
     (64, True): PrefillTiles(128, 32, 8, 3),  # 216 registers, 81 KiB
-    # 255 registers and a small spill with Triton 3.6 (44 bytes stored, 84 loaded a thread;
-    # 252 / 364 with per-call scalars and a window; none with 3.9), timed with it: still the
-    # fastest differential tile
-    (128, True): PrefillTiles(128, 64, 8, 2, value_split=True),  # 160 KiB
+    (128, True): PrefillTiles(128, 64, 8, 3, sequential=True),  # 252 registers, 177 KiB
 }
 # Alternatives the benchmark times against HOPPER_TILES (the former defaults among them);
 # ms as above, the last run's (unified 0.812 / 9.08 plain) or, marked ``first``, the day's
 # first sweep's (unified 0.806 / 9.02 plain, 1.666 / 18.6 differential).
 # ``overlap`` tiles (FlashAttention-3's softmax / ``p v`` overlap, :func:`prefill_kernel`'s
-# ``OVERLAP``): not timed yet; sm90 offline (Triton 3.6), registers a thread and shared
-# memory, none spilling and none with serialized wgmma (tests/compile_prefill_sm90.py).
+# ``OVERLAP``; sm90 offline with Triton 3.6: none spilling, none with serialized wgmma,
+# tests/compile_prefill_sm90.py) lost everywhere on the H200 (2026-12-01, second run):
+# plain D 128 0.86-0.87 / 9.6-9.7 ms at 128 rows against 0.758 / 8.26 for the default, and
+# 5-20% slower than the same tiles without it elsewhere. ``sequential`` tiles: the
+# differential D 128 rows above (all eight between 0.93 and 1.21 ms at B=8 S=2048).
 SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
     (64, False): (PrefillTiles(128, 64, 4, 3), PrefillTiles(128, 64, 8, 4),
                   PrefillTiles(128, 128, 8, 3, overlap=True),  # 225 registers, 128 KiB
@@ -85,17 +92,35 @@ SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
                    PrefillTiles(64, 64, 4, 3),  # 0.728 / 8.58
                    PrefillTiles(128, 128, 8, 2, overlap=True),  # 249 registers, 192 KiB
                    PrefillTiles(128, 64, 8, 3, overlap=True),  # 169 registers, 144 KiB
-                   PrefillTiles(128, 64, 8, 4, overlap=True)),  # 169 registers, 176 KiB
+                   PrefillTiles(128, 64, 8, 4, overlap=True),  # 169 registers, 176 KiB
+                   # one warpgroup a program, 2-4 programs a multiprocessor (by shared memory)
+                   PrefillTiles(64, 64, 4, 2),  # 148 registers, 81 KiB
+                   PrefillTiles(64, 64, 4, 2, overlap=True),  # 171 registers, 96 KiB
+                   PrefillTiles(64, 32, 4, 3),  # 122 registers, 65 KiB
+                   PrefillTiles(64, 32, 4, 3, overlap=True),  # 127 registers, 72 KiB
+                   PrefillTiles(64, 32, 4, 2)),  # 116 registers, 48 KiB
     (256, False): (PrefillTiles(128, 64, 8, 2), PrefillTiles(64, 64, 4, 2),
                    PrefillTiles(128, 32, 8, 2, overlap=True)),  # 215 registers, 144 KiB
     (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(64, 64, 4, 3),
                  PrefillTiles(128, 32, 8, 3, overlap=True),  # 251 registers, 88 KiB
-                 PrefillTiles(128, 64, 8, 3, value_split=True, overlap=True)),  # 251 registers, 112 KiB
-    (128, True): (PrefillTiles(128, 32, 8, 3, value_split=True),  # first 1.660 / 19.14 ms
+                 PrefillTiles(128, 64, 8, 3, value_split=True, overlap=True),  # 251 registers, 112 KiB
+                 PrefillTiles(128, 128, 8, 2, sequential=True),  # 246 registers, 113 KiB
+                 PrefillTiles(128, 64, 8, 3, sequential=True)),  # 192 registers, 89 KiB
+    # the former default, 1.440 / 16.38 ms (255 registers and a small spill with Triton 3.6:
+    # 44 bytes stored, 84 loaded a thread; none with 3.9)
+    (128, True): (PrefillTiles(128, 64, 8, 2, value_split=True),  # 160 KiB
+                  PrefillTiles(128, 32, 8, 3, value_split=True),  # first 1.660 / 19.14 ms
                   PrefillTiles(64, 64, 8, 2),  # first 1.555 / 17.98
                   PrefillTiles(64, 32, 8, 3),  # first 1.892 / 21.62
                   PrefillTiles(128, 32, 8, 3, value_split=True, overlap=True),  # 255 registers, 144 KiB
-                  PrefillTiles(128, 32, 8, 2, value_split=True, overlap=True)),  # 255 registers, 120 KiB
+                  PrefillTiles(128, 32, 8, 2, value_split=True, overlap=True),  # 255 registers, 120 KiB
+                  PrefillTiles(128, 64, 8, 2, sequential=True),  # 0.978 / 11.40; 129 KiB
+                  PrefillTiles(128, 32, 8, 3, sequential=True),  # 1.074 / 12.38; 4 B spilled, 105 KiB
+                  PrefillTiles(128, 32, 8, 3, overlap=True, sequential=True),  # 1.205 / 13.86; 120 KiB
+                  PrefillTiles(64, 64, 4, 2, sequential=True),  # 0.944 / 12.04; 113 KiB
+                  PrefillTiles(64, 32, 4, 3, sequential=True),  # 1.025 / 12.35; 89 KiB
+                  PrefillTiles(64, 32, 4, 2, overlap=True, sequential=True),  # 1.129 / 13.31; 80 KiB
+                  PrefillTiles(64, 32, 4, 2, sequential=True)),  # 1.177 / 13.71; 65 KiB
 }
 # Tiles of K/V read by pointer loads: paged prefill (chunked prefill over a paged cache)
 # and contiguous K/V without TMA (not tma_ready, or a GPU before sm90). ``PAGED`` reads each
@@ -124,10 +149,16 @@ PAGED_SWEEP_TILES: dict[tuple[int, bool], tuple[PrefillTiles, ...]] = {
     (64, False): (PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 128, 8, 2),
                   PrefillTiles(128, 64, 8, 3, overlap=True)),  # 184 registers, 56 KiB
     (128, False): (PrefillTiles(128, 128, 8, 3), PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3),
-                   PrefillTiles(128, 64, 8, 3, overlap=True)),  # 216 registers, 112 KiB
+                   PrefillTiles(128, 64, 8, 3, overlap=True),  # 216 registers, 112 KiB
+                   PrefillTiles(64, 64, 4, 2)),  # 222 registers, 80 KiB
     (256, False): (PrefillTiles(128, 32, 8, 3),),
-    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2)),
-    (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True)),
+    (64, True): (PrefillTiles(128, 64, 8, 3, value_split=True), PrefillTiles(128, 32, 8, 2),
+                 PrefillTiles(128, 64, 8, 3, sequential=True)),  # 251 registers, 65 KiB
+    # B=8, 512 new after 4096 cached, block 16 (H200, 2026-12-01): the default 1.922 ms, 128x32 w8 s2
+    # split 2.011, 64x32 w4 s2 split 1.646, 128x32 w8 s3 sequential 1.591 (the unified kernel
+    # 2.105); the sequential tile's GPU test did not finish that session: not the default yet
+    (128, True): (PrefillTiles(128, 32, 8, 2, value_split=True), PrefillTiles(64, 32, 4, 2, value_split=True),
+                  PrefillTiles(128, 32, 8, 3, sequential=True)),  # 255 registers (8 B spilled), 80 KiB
 }
 INTERPRETER_TILES = PrefillTiles(16, 16, 4, 1)  # CPU tensors (the interpreter): small tiles
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the query tiles)
@@ -175,7 +206,9 @@ def tma_ready(tensor: Tensor, head_size: int) -> bool:
 
 
 @functools.cache
-def _has_tma(index: int) -> bool:
+def has_tma(index: int) -> bool:
+    """Whether CUDA device ``index`` is sm90 or newer (TMA tensor descriptors, wgmma): where
+    the op routes covered prefills to this kernel (``attention.PREFILL_KERNEL``)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -300,10 +333,12 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
     on_gpu = q.is_cuda
     if use_tma is None:
         tma_tensors = (q,) if paged else (q, k, v)  # paged K/V: pointer loads
-        use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
+        use_tma = (on_gpu and has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
                    and tma_ready(out, out.shape[-1]))
     kv_tma = use_tma and not paged
     tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu, kv_tma)
+    if tiles.value_split and tiles.sequential:
+        raise ValueError(f"tiles: value_split and sequential exclude each other, got {tiles}")
     scale = default_scale(scale, head_size)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
@@ -326,7 +361,8 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
             SOFTCAP=softcap > 0 or scale_softcap is not None, RUNTIME_SCALARS=scale_softcap is not None,
             WINDOW_LEFT=window, USE_TMA=use_tma, VALUE_SPLIT=differential and tiles.value_split,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGED=paged, BLOCK_SIZE=k.shape[1] if paged else 1,
-            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0, OVERLAP=tiles.overlap)
+            RAW_MAX=softcap <= 0 and scale_softcap is None and scale > 0, OVERLAP=tiles.overlap,
+            SEQUENTIAL=differential and tiles.sequential)
         units = (num_heads if tiles.value_split else num_heads // 2) if differential else num_heads
         # strides: q; k and v as (block, token or slot, head, dim) (block 0 when contiguous); out; table row
         k_strides = k.stride() if paged else (0, *k.stride())

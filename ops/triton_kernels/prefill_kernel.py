@@ -10,7 +10,8 @@ FlashAttention-3's forward:
 
 * one program = ``BLOCK_M`` query tokens x one query head (plain) or one query head pair
   (differential; or, ``VALUE_SPLIT``, a pair and one of its two value heads), the query
-  tile held in shared memory across the key loop (the wgmma A operand);
+  tile held in shared memory across the key loop (the wgmma A operand); differential with
+  ``SEQUENTIAL``: the pair's two components one after the other (below);
 * Q, K, V tiles read and the output tile written through TMA tensor descriptors built on
   the device per sequence (``tl.make_tensor_descriptor`` over the sequence's ``[len, H * D]``
   rows: the TMA unit zero-fills reads and clips writes past the sequence's end, so no
@@ -61,6 +62,14 @@ two online softmaxes, ``acc_c = softmax(q_c k_cᵀ) [v1 | v2]`` (with ``VALUE_SP
 programs per pair each take one value head: half the accumulators for twice the score
 dots, which is what lets 128-row tiles fit at D 128); the output is
 ``acc_1 / l_1 - lambda_j * acc_2 / l_2`` (float32), as the unified kernel writes it.
+``SEQUENTIAL`` (the D 128 default): one program per pair runs component 1 over all its key
+tiles with one ``[BLOCK_M, 2D]`` accumulator (``q1 k1ᵀ`` and ``p1 [v1 | v2]``), stores
+``acc_1 / l_1`` in its own output rows (the output dtype), then component 2 likewise and
+writes ``o_1 - lambda_j * acc_2 / l_2`` over them: per key tile and pair 6 head-size GEMM
+units and 2 softmaxes (the split schedule: 8 and 4), as flash-attn 4's two calls with a
+``2D`` value head and their combine, in one launch. Each component reads the K head of its
+own and the whole ``[v1 | v2]`` tile (the V tile twice a program, the second time mostly
+from L2). ``o_1`` is rounded to the output dtype once more than in the other schedules.
 
 ALiBi, float8 caches, float32 and head sizes other than 64/128/256 (differential: 64/128)
 stay on the unified kernel (:func:`.prefill.covers`). The op routes covered calls here when
@@ -328,9 +337,72 @@ def _key_steps(m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_l
 
 
 @triton.jit
+def _key_ranges(q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo, mid_hi, tile_hi, pos,
+                qk_scale, scale, softcap, min_dist, max_dist,
+                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                DIFFERENTIAL: tl.constexpr, SOFTCAP: tl.constexpr, RUNTIME_SCALARS: tl.constexpr,
+                USE_TMA: tl.constexpr, HEAD_SIZE: tl.constexpr, VALUE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr,
+                OVERLAP: tl.constexpr, WINDOW_LEFT: tl.constexpr):
+    """``(m1, l1, acc1, m2, l2, acc2)`` of one query tile over all the key tiles it sees
+    (:func:`_key_steps` from a fresh state): masked window-edge tiles ``[tile_lo, mid_lo)``
+    (``WINDOW_LEFT`` only), unmasked interior tiles ``[mid_lo, mid_hi)`` (``OVERLAP`` applies
+    here), masked diagonal / last tiles ``[mid_hi, tile_hi)``. Plain: the second state is a
+    placeholder (never read)."""
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, VALUE_COLS], tl.float32)
+    m2, l2, acc2 = m1, l1, acc1
+    if WINDOW_LEFT:
+        m1, l1, acc1, m2, l2, acc2 = _key_steps(
+            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
+            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
+    m1, l1, acc1, m2, l2, acc2 = _key_steps(
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, OVERLAP)
+    return _key_steps(
+        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
+        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
+        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
+
+
+@triton.jit
 def _normalize(acc, l):
     """``acc / l`` per row, zeros for rows that saw no key (``l == 0``)."""
     return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def _out_ptrs(o_seq, q_first, queries_left, head_offset, col, stride_ot, stride_od, ROWS: tl.constexpr,
+              COLS: tl.constexpr):
+    """Pointers ``[ROWS, COLS]`` to the output rows ``q_first ..`` of a sequence (``o_seq``
+    its first row), columns ``col ..`` of the head at ``head_offset``; and the mask of rows
+    before ``queries_left``."""
+    rows = tl.arange(0, ROWS)
+    ptrs = (o_seq + (q_first + rows).to(tl.int64)[:, None] * stride_ot + head_offset
+            + (col + tl.arange(0, COLS))[None, :] * stride_od)
+    return ptrs, (rows < queries_left)[:, None]
+
+
+@triton.jit
+def _store_out(o_seq, value, q_first, queries_left, head_offset, col, stride_ot, stride_od, ROWS: tl.constexpr,
+               COLS: tl.constexpr):
+    """Pointer store of an output tile (:func:`_out_ptrs`), rows past the queries skipped."""
+    ptrs, rows = _out_ptrs(o_seq, q_first, queries_left, head_offset, col, stride_ot, stride_od, ROWS, COLS)
+    tl.store(ptrs, value, mask=rows)
+
+
+@triton.jit
+def _load_out(o_seq, q_first, queries_left, head_offset, col, stride_ot, stride_od, ROWS: tl.constexpr,
+              COLS: tl.constexpr):
+    """The output tile :func:`_store_out` wrote, as float32 (zeros past the queries)."""
+    ptrs, rows = _out_ptrs(o_seq, q_first, queries_left, head_offset, col, stride_ot, stride_od, ROWS, COLS)
+    return tl.load(ptrs, mask=rows, other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "min_dist", "max_dist"])
@@ -344,6 +416,7 @@ def prefill_kernel(
     RUNTIME_SCALARS: tl.constexpr, WINDOW_LEFT: tl.constexpr, USE_TMA: tl.constexpr,
     VALUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, RAW_MAX: tl.constexpr, OVERLAP: tl.constexpr,
+    SEQUENTIAL: tl.constexpr,
 ):
     """Attention of ``BLOCK_M`` query tokens x one query head (pair) of one sequence.
 
@@ -372,6 +445,10 @@ def prefill_kernel(
             registers at D 128) for twice the score dots.
         RAW_MAX: the launcher's ``scale > 0`` without softcap: scores stay unscaled through
             the row max (:func:`_softmax_step`).
+        SEQUENTIAL: differential only, not with ``VALUE_SPLIT``: the two components one
+            after the other over ``[v1 | v2]``, component 1 parked in the output rows
+            (pointer stores and loads, a CTA barrier between; the output store then goes
+            through pointers too, never mixing TMA and pointer writes of one address).
     """
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS  # query heads (pairs) per KV head (pair)
     VALUE_COLS: tl.constexpr = 2 * HEAD_SIZE if DIFFERENTIAL and not VALUE_SPLIT else HEAD_SIZE
@@ -448,23 +525,6 @@ def prefill_kernel(
         k_src = k_ptr + kv_start.to(tl.int64) * stride_kt
         v_src = v_ptr + kv_start.to(tl.int64) * stride_vt
     queries_left = q_len - q_first
-    q1 = _load_tile(q_src, q_first, queries_left, q_head, stride_qt, stride_qh, stride_qd,
-                    BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
-    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l1 = tl.zeros([BLOCK_M], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, VALUE_COLS], tl.float32)
-    if DIFFERENTIAL:
-        q2 = _load_tile(q_src, q_first, queries_left, q_head + 1, stride_qt, stride_qh, stride_qd,
-                        BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
-        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l2 = tl.zeros([BLOCK_M], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, VALUE_COLS], tl.float32)
-    else:  # placeholders (never read)
-        q2 = q1
-        m2 = m1
-        l2 = l1
-        acc2 = acc1
-
     # Key tiles this query tile sees, and the interior ones that every row sees whole:
     # masked [tile_lo, mid_lo), unmasked [mid_lo, mid_hi), masked [mid_hi, tile_hi).
     # (Clamped to >= 0 before dividing: Triton's integer division truncates.)
@@ -482,42 +542,49 @@ def prefill_kernel(
         mid_lo = 0
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, mid_lo), tile_hi)
 
-    if WINDOW_LEFT:
-        m1, l1, acc1, m2, l2, acc2 = _key_steps(
-            m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo,
-            pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-            HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
-    m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_lo, mid_hi,
-        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, False, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, OVERLAP)
-    m1, l1, acc1, m2, l2, acc2 = _key_steps(
-        m1, l1, acc1, m2, l2, acc2, q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, mid_hi, tile_hi,
-        pos, qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL, True, SOFTCAP, RUNTIME_SCALARS, USE_TMA,
-        HEAD_SIZE, VALUE_COLS, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, False)
-
+    q1 = _load_tile(q_src, q_first, queries_left, q_head, stride_qt, stride_qh, stride_qd,
+                    BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
+    if DIFFERENTIAL and not SEQUENTIAL:  # both components over each loaded key tile
+        q2 = _load_tile(q_src, q_first, queries_left, q_head + 1, stride_qt, stride_qh, stride_qd,
+                        BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
+    else:  # placeholder (never read)
+        q2 = q1
+    m1, l1, acc1, m2, l2, acc2 = _key_ranges(
+        q1, q2, k_src, v_src, table_row, kv_len, kv_head, v_head, tile_lo, mid_lo, mid_hi, tile_hi, pos,
+        qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd, DIFFERENTIAL and not SEQUENTIAL, SOFTCAP, RUNTIME_SCALARS,
+        USE_TMA, HEAD_SIZE, VALUE_COLS, BLOCK_M, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, OVERLAP, WINDOW_LEFT)
+    result = _normalize(acc1, l1)
+    if SEQUENTIAL:  # component 1's [v1 | v2] result waits in this program's output rows
+        _store_out(o_seq, result.to(out_ptr.dtype.element_ty), q_first, queries_left, unit * stride_oh,
+                   half * HEAD_SIZE, stride_ot, stride_od, BLOCK_M, VALUE_COLS)
+        q2 = _load_tile(q_src, q_first, queries_left, q_head + 1, stride_qt, stride_qh, stride_qd,
+                        BLOCK_M, HEAD_SIZE, HEAD_SIZE, True, USE_TMA)
+        m2, l2, acc2, _, _, _ = _key_ranges(
+            q2, q2, k_src, v_src, table_row, kv_len, kv_head + 1, v_head, tile_lo, mid_lo, mid_hi, tile_hi, pos,
+            qk_scale, scale, softcap, min_dist, max_dist, stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, False, SOFTCAP, RUNTIME_SCALARS,
+            USE_TMA, HEAD_SIZE, VALUE_COLS, BLOCK_M, BLOCK_N, PAGED, BLOCK_SIZE, RAW_MAX, OVERLAP, WINDOW_LEFT)
+        # CTA barriers: every thread's part of component 1 stored before any is read back, and
+        # read back before any is overwritten (Triton 3.6 keeps one layout for the three
+        # accesses, so each thread touches its own elements; the barriers hold for any layout)
+        tl.debug_barrier()
+        result = _load_out(o_seq, q_first, queries_left, unit * stride_oh, half * HEAD_SIZE, stride_ot, stride_od,
+                           BLOCK_M, VALUE_COLS)
+        tl.debug_barrier()
     if DIFFERENTIAL:
         if LAMBDA_PER_PAIR:
             lam = tl.load(lambda_ptr + unit).to(tl.float32)
         else:
             lam = tl.load(lambda_ptr).to(tl.float32)
-        result = _normalize(acc1, l1) - lam * _normalize(acc2, l2)
-    else:
-        result = _normalize(acc1, l1)
+        result = result - lam * _normalize(acc2, l2)
     result = result.to(out_ptr.dtype.element_ty)
-    # Output columns of this program: head (pair) ``unit``, value half ``half`` (VALUE_SPLIT).
-    if USE_TMA:  # the descriptor ends at the sequence's last query: rows past it are clipped
+    if USE_TMA and not SEQUENTIAL:  # the descriptor ends at the sequence's last query: rows past it are clipped
         OUT_COLS: tl.constexpr = 2 * HEAD_SIZE if DIFFERENTIAL else HEAD_SIZE
         OUT_HEADS: tl.constexpr = NUM_HEADS // 2 if DIFFERENTIAL else NUM_HEADS
         o_desc = tl.make_tensor_descriptor(o_seq, shape=[q_len, OUT_HEADS * OUT_COLS], strides=[stride_ot, 1],
                                            block_shape=[BLOCK_M, VALUE_COLS])
         o_desc.store([q_first, unit * OUT_COLS + half * HEAD_SIZE], result)
-    else:
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, VALUE_COLS)
-        out = (o_seq + (q_first + rows).to(tl.int64)[:, None] * stride_ot + unit * stride_oh
-               + (half * HEAD_SIZE + cols)[None, :] * stride_od)
-        tl.store(out, result, mask=(rows < queries_left)[:, None])
+    else:  # (SEQUENTIAL: the rows that held component 1, rewritten through the same pointers)
+        _store_out(o_seq, result, q_first, queries_left, unit * stride_oh, half * HEAD_SIZE, stride_ot, stride_od,
+                   BLOCK_M, VALUE_COLS)
