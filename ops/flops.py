@@ -43,8 +43,11 @@ from torch.utils import flop_counter
 from .value_checks import values_readable
 
 
-def _attention_flops(num_heads, head_size, value_size, query_key_pairs, differential: bool):
-    """GEMM FLOPs of attention given ``Σ_seq q_len * k_len``."""
+def attention_flops(num_heads: int, head_size: int, value_size: int, query_key_pairs: float,
+                    differential: bool) -> float:
+    """GEMM FLOPs of attention over ``query_key_pairs`` (``Σ_seq q_len * k_len``, or the
+    pairs a mask keeps: about ``S^2 / 2`` a causal sequence), ``num_heads`` query heads of
+    ``head_size`` and values of ``value_size`` (the module docstring's formulas)."""
     if differential:  # per pair: q1 k1ᵀ, q2 k2ᵀ (width D) and A1 [v1,v2], A2 [v1,v2] (width 2Dv)
         return 4 * (num_heads // 2) * query_key_pairs * (head_size + 2 * value_size)
     return 2 * num_heads * query_key_pairs * (head_size + value_size)
@@ -70,7 +73,7 @@ def varlen_attention_flops(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         pairs = sum(a * b for a, b in zip(lengths_q, lengths_k))
     else:
         pairs = q.shape[0] * k.shape[0]
-    return _attention_flops(q.shape[1], q.shape[2], v.shape[2], pairs, lambda_full is not None)
+    return attention_flops(q.shape[1], q.shape[2], v.shape[2], pairs, lambda_full is not None)
 
 
 def paged_attention_flops(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
@@ -94,7 +97,7 @@ def paged_attention_flops(query: Tensor, key_cache: Tensor, value_cache: Tensor,
         pairs = sum(a * b for a, b in zip(lengths_q, seq_lens.tolist()))
     else:
         pairs = query.shape[0] * block_table.shape[1] * key_cache.shape[1]
-    return _attention_flops(query.shape[1], query.shape[2], value_cache.shape[3], pairs,
+    return attention_flops(query.shape[1], query.shape[2], value_cache.shape[3], pairs,
                             lambda_full is not None)
 
 

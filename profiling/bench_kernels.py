@@ -28,7 +28,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from compiled_attn.benchmark import copy_bandwidth
 from compiled_attn.kv_cache import KVCache
-from compiled_attn.ops import reference, triton_kernels
+from compiled_attn.ops import flops, reference, triton_kernels
 from compiled_attn.results import ResultRow, write_results
 
 DTYPE = torch.bfloat16
@@ -191,10 +191,12 @@ def _varlen_inputs(lens: list[int]):
 
 
 def causal_flops(lens: list[int], differential: bool) -> float:
-    """Useful FLOPs of causal self-attention (half the score matrix): plain 4 S^2 D / 2 per
-    query head; differential 6 S^2 D / 2 per head pair (two score dots, two [v1 | v2] dots)."""
-    square = sum(n * n for n in lens) / 2
-    return (HQ // 2) * 6 * square * D if differential else HQ * 4 * square * D
+    """Useful FLOPs of causal self-attention (half the score matrix, ``S^2 / 2`` pairs a
+    sequence): plain 4 S^2 D / 2 per query head; differential 12 S^2 D / 2 per head pair (two
+    score dots of width D, two [v1 | v2] dots of width 2D), :func:`ops.flops.attention_flops`.
+    (Before 2026-12-01 this counted 6 S^2 D / 2 a pair: half; earlier differential TFLOP/s
+    rows of the results are half the true rate.)"""
+    return flops.attention_flops(HQ, D, D, sum(n * n for n in lens) / 2, differential)
 
 
 def hopper_prefill_rows() -> list[ResultRow]:
