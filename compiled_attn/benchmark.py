@@ -153,8 +153,10 @@ def flash_ttft_rows(model, prompt_len: int, kv_cache_dtype: str, flash_on: dict,
         return []
     with flash_backend.disabled():
         off = timer(model, prompt_len, kv_cache_dtype)
-    two_calls = flash_backend.FLASH_DIFFERENTIAL and not flash_backend.hopper_takes(model.config.head_dim)
-    configured = "two calls" if two_calls else "on our fused kernel"
+    from .ops.triton_kernels.attention import prefill_kernel_serves
+
+    hopper = prefill_kernel_serves(model.config.head_dim, next(model.parameters()))  # differential stays ours
+    configured = "two calls" if flash_backend.FLASH_DIFFERENTIAL and not hopper else "on our fused kernel"
     name = f"{library.name} backend (differential {configured})"
     log(f"flash-attn off (our Triton kernel): TTFT first {off['first_s'] * 1e3:.1f} ms, "
         f"later {off['later_s'] * 1e3:.1f} ms")

@@ -40,10 +40,10 @@ Which one runs follows ``profiling/bench_kernels.py --parts flash``
 the op against 0.958 ms on our fused Hopper prefill kernel at B=8, S=2048 (12.1 ms against
 11.1 ms for 64 sequences of 128-4096 tokens), flash-attn 4 alone 1.563 ms with a
 concatenated ``[v1 | v2]`` and an eager combine, 1.764 ms as the seed's four calls, and
-0.987 ms for its two calls with no combine at all. So the head sizes our varlen launcher
-routes to that kernel (``triton_kernels.attention.PREFILL_HEAD_SIZES``: 128) stay on it
-(:func:`hopper_takes`), and the others, timed on neither side, take the two calls
-(:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
+0.987 ms for its two calls with no combine at all. So the calls our varlen launcher routes
+to that kernel (``triton_kernels.attention.prefill_kernel_takes``: head size 128 on an sm90
+GPU) stay on it (:func:`hopper_takes`), and the others, timed on neither side, take the two
+calls (:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
 flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel (0.806 on the unified one):
 flash-attn 4. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on our kernel
 (flash-attn 4's host time per call). :func:`disabled` turns the backend off for a block of
@@ -90,8 +90,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 FLASH_DIFFERENTIAL = True
 """Whether covered differential prefills run as two flash calls (else our fused kernel),
-except those our Hopper prefill kernel takes (:func:`hopper_takes`: measured faster, see
-the module docstring)."""
+except those our Hopper prefill kernel takes (:func:`hopper_takes`: measured faster there,
+see the module docstring)."""
 
 MIN_QUERY_TOKENS = 4096
 """Calls with fewer query tokens (``q.shape[0]``) stay on our kernel. flash-attn 4 spends
@@ -149,20 +149,7 @@ def plan(library: FlashLibrary, q: Tensor, lambda_full: Tensor | None, alibi_slo
         return None
     if lambda_full is None:
         return "plain"
-    if not FLASH_DIFFERENTIAL or 2 * head_size > library.max_value_head_size or hopper_takes(head_size):
-        return None
-    return "differential"
-
-
-def hopper_takes(head_size: int) -> bool:
-    """Whether our varlen launcher routes covered calls of ``head_size`` to our Hopper
-    prefill kernel (``triton_kernels.attention.PREFILL_KERNEL`` is ``"hopper"`` and the size
-    is in its ``PREFILL_HEAD_SIZES``; on an sm90+ GPU): differential prefill is faster there
-    than flash-attn 4's two calls on the H200 (the module docstring), so :func:`plan` leaves
-    such calls to it."""
-    from .triton_kernels import attention as launchers
-
-    return launchers.PREFILL_KERNEL == "hopper" and head_size in launchers.PREFILL_HEAD_SIZES
+    return "differential" if FLASH_DIFFERENTIAL and 2 * head_size <= library.max_value_head_size else None
 
 
 def _window(library: FlashLibrary, window_left: int, window_right: int) -> tuple:
@@ -241,23 +228,37 @@ def disabled() -> Iterator[None]:
         _DISABLED -= 1
 
 
-def _formulation(q, lambda_full, alibi_slopes, scale_softcap) -> str | None:
-    """The :func:`plan` of the installed library for a call on ``q``, or ``None`` (inside
-    :func:`disabled`, no library, not CUDA, fewer than :data:`MIN_QUERY_TOKENS` query tokens
-    (never none), not covered)."""
+def _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap) -> str | None:
+    """The :func:`plan` of the installed library for a call on ``q``, ``k``, ``v``, or ``None``
+    (inside :func:`disabled`, no library, not CUDA, fewer than :data:`MIN_QUERY_TOKENS` query
+    tokens (never none), not covered, or a differential call our Hopper prefill kernel takes:
+    :func:`hopper_takes`)."""
     if _DISABLED:
         return None
     library = find_library()
     if library is None or not q.is_cuda or q.shape[0] < max(MIN_QUERY_TOKENS, 1):
         return None
-    return plan(library, q, lambda_full, alibi_slopes, scale_softcap)
+    formulation = plan(library, q, lambda_full, alibi_slopes, scale_softcap)
+    if formulation == "differential" and hopper_takes(q, k, v, lambda_full):
+        return None
+    return formulation
+
+
+def hopper_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor) -> bool:
+    """Whether our varlen launcher runs this differential call through our Hopper prefill
+    kernel (``triton_kernels.attention.prefill_kernel_takes``: its head sizes, on an sm90
+    GPU), which took it faster than flash-attn 4's two calls on the H200 (the module
+    docstring): :func:`_formulation` leaves such calls to it."""
+    from .triton_kernels.attention import prefill_kernel_takes
+
+    return prefill_kernel_takes(q, k, v, lambda_full, None)
 
 
 def covers(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
            alibi_slopes, scale_softcap) -> bool:
     """Whether the CUDA kernel of ``varlen_attention`` runs these schema arguments through
     flash-attn (CUDA tensors, a library, a :func:`plan`)."""
-    return _formulation(q, lambda_full, alibi_slopes, scale_softcap) is not None
+    return _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap) is not None
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
@@ -266,7 +267,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scal
     :func:`covers` the call, our Triton kernel otherwise (arguments as the op's schema)."""
     from .triton_kernels import varlen_attention as triton_varlen
 
-    formulation = _formulation(q, lambda_full, alibi_slopes, scale_softcap)
+    formulation = _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap)
     if formulation is None:
         return triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                              window_right, softcap, alibi_slopes, scale_softcap)
@@ -302,7 +303,8 @@ def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_s
         return None
     if key_cache.shape[1] not in PAGED_BLOCK_SIZES:
         return None
-    if _formulation(query, None, alibi_slopes, scale_softcap) != "plain":  # disabled, no library, not CUDA, ...
+    # disabled, no library, not CUDA, ...
+    if _formulation(query, key_cache, value_cache, None, alibi_slopes, scale_softcap) != "plain":
         return None
     library = find_library()
     return library if library.takes_page_table else None

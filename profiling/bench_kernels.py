@@ -59,7 +59,7 @@ def _queued_ms(fn, calls: int = 8, repetitions: int = 20) -> float:
     return estimate / calls
 
 
-def _unified_varlen(*args) -> torch.Tensor:
+def unified_varlen(*args) -> torch.Tensor:
     """``triton_kernels.varlen_attention(*args)`` on the unified kernel: the launcher routes
     covered calls to the Hopper prefill kernel (``attention.PREFILL_KERNEL``), switched off
     for this call."""
@@ -122,6 +122,11 @@ def decode_rows(bandwidth: float, batches=(1, 16, 64, 256), contexts=(1024, 4096
 
 
 def prefill_rows() -> list[ResultRow]:
+    """Prefill at B=8 S=2048 against SDPA (flash, cuDNN) and FlexAttention, and the fused
+    differential op with its norm against the seed's four SDPA calls; "ours" is
+    ``triton_kernels.varlen_attention`` as the op routes it (since 2026-12-01 the Hopper
+    prefill kernel at D 128 on an sm90 GPU, before that the unified kernel); then
+    :func:`hopper_prefill_rows` and :func:`hopper_paged_prefill_rows`."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     batch, seq = 8, 2048
@@ -200,8 +205,8 @@ def causal_flops(lens: list[int], differential: bool) -> float:
 
 
 def hopper_prefill_rows() -> list[ResultRow]:
-    """The Hopper prefill kernel (``prefill.varlen_prefill``, not yet the default:
-    ``attention.PREFILL_KERNEL``) against the unified kernel, SDPA cuDNN (plain, B=8 only:
+    """The Hopper prefill kernel (``prefill.varlen_prefill``, the varlen op's route at D 128:
+    ``attention.PREFILL_KERNEL``) against the unified kernel (:func:`unified_varlen`), SDPA cuDNN (plain, B=8 only:
     dense batch) and the issue's absolute differential target (0.96 ms, flash-attn 4's two
     calls), at its default tiles and at each alternative in ``SWEEP_TILES``; plus its
     largest difference from the unified kernel (bf16 rounding, tolerance 0.02)."""
@@ -212,9 +217,9 @@ def hopper_prefill_rows() -> list[ResultRow]:
         q, k, v, cu, lam = _varlen_inputs(lens)
         for name, lam_arg in (("plain", None), ("differential", lam)):
             key = (D, lam_arg is not None)
-            unified = _eager_ms(lambda: _unified_varlen(q, k, v, cu, cu, lam_arg))
+            unified = _eager_ms(lambda: unified_varlen(q, k, v, cu, cu, lam_arg))
             diff = (varlen_prefill(q, k, v, cu, cu, lam_arg).float()
-                    - _unified_varlen(q, k, v, cu, cu, lam_arg).float()).abs().max().item()
+                    - unified_varlen(q, k, v, cu, cu, lam_arg).float()).abs().max().item()
             rows.append(ResultRow(f"prefill {case} {name}: hopper max |diff| vs unified", "abs", diff,
                                   "bf16 tolerance", 0.02, "<= 1.0"))
             for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
@@ -337,10 +342,10 @@ def flash_rows() -> list[ResultRow]:
             return torch.cat(outs[:2], dim=-1) - lam[:, None] * torch.cat(outs[2:], dim=-1)
 
         plain = {"flash-attn 4": _queued_ms(lambda: flash(q, k, v)),
-                 "our unified kernel": _queued_ms(lambda: _unified_varlen(q, k, v, cu, cu)),
+                 "our unified kernel": _queued_ms(lambda: unified_varlen(q, k, v, cu, cu)),
                  "op": _queued_ms(lambda: ops.varlen_attention(q, k, v, cu, cu))}
         diff = {"flash-attn 4 two calls": _queued_ms(two_calls), "flash-attn 4 four calls": _queued_ms(four_calls),
-                "our unified kernel, fused": _queued_ms(lambda: _unified_varlen(q, k, v, cu, cu, lam)),
+                "our unified kernel, fused": _queued_ms(lambda: unified_varlen(q, k, v, cu, cu, lam)),
                 "backend's two calls": _queued_ms(lambda: flash_backend.run(library, "differential", q, k, v, cu, cu,
                                                                            lam, D ** -0.5, True, -1, -1, 0.0)),
                 "op": _queued_ms(lambda: ops.varlen_attention(q, k, v, cu, cu, lam))}

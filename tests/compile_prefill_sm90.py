@@ -3,7 +3,7 @@
 Run as a script in a process without ``TRITON_INTERPRET``: :func:`varlen_prefill` runs on
 small CPU tensors with its launches recorded instead of made (as ``compile_sm90.py``), at
 the :data:`HOPPER_TILES` of each case and with TMA descriptors on, and paged at
-:data:`PAGED_TILES` (:data:`PAGED_CASES`), plus the sweeps' ``overlap`` and ``sequential`` tiles (case
+:data:`PAGED_TILES` (:data:`PAGED_CASES`), plus the sweeps' ``overlap`` tiles (case
 names end in `` sweep``); each recorded launch goes through
 ``triton.compile`` for sm90 down to the cubin, then Triton's bundled ``ptxas -v`` reports
 registers and spills of the PTX. Prints one JSON list of ``{case, tiles, shared,
@@ -34,7 +34,7 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
     record_launches(launches, case)
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
-    overlap = {key: [t for t in tiles if t.overlap or t.sequential] for key, tiles in prefill.SWEEP_TILES.items()}
+    overlap = {key: [t for t in tiles if t.overlap] for key, tiles in prefill.SWEEP_TILES.items()}
     for (head_size, differential), tiles in prefill.HOPPER_TILES.items():
         for every in (tiles, *overlap[head_size, differential]):
             case[0] = f"{'differential' if differential else 'plain'} d{head_size} bf16"
@@ -43,8 +43,7 @@ def recorded_launches() -> list[tuple[str, object, dict, dict]]:
             kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
             lam = torch.full((16,), 0.5) if differential else None
             prefill.varlen_prefill(q, kv, kv, cu, cu, lam, tiles=every, use_tma=True)
-    paged_overlap = {key: [t for t in tiles if t.overlap or t.sequential]
-                     for key, tiles in prefill.PAGED_SWEEP_TILES.items()}
+    paged_overlap = {key: [t for t in tiles if t.overlap] for key, tiles in prefill.PAGED_SWEEP_TILES.items()}
     for block_size, only in PAGED_CASES:
         for (head_size, differential), tiles in prefill.PAGED_TILES.items():
             if only is not None and (head_size, differential) not in only:

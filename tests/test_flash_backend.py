@@ -133,9 +133,7 @@ def test_plan_takes_what_the_library_covers(flash, monkeypatch):
     flash(4)
     fa4 = flash_backend.find_library()
     assert flash_backend.plan(fa4, q, None, None, None) == "plain"
-    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"  # D 64: the two calls
-    # D 128: our Hopper prefill kernel, measured faster (PREFILL_HEAD_SIZES)
-    assert flash_backend.plan(fa4, batch(g, head_size=128)[0], lam, None, None) is None
+    assert flash_backend.plan(fa4, q, lam, None, None) == "differential"  # measured faster than our fused kernel
     monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", False)
     assert flash_backend.plan(fa4, q, lam, None, None) is None
     monkeypatch.setattr(flash_backend, "FLASH_DIFFERENTIAL", True)
@@ -252,6 +250,29 @@ class CudaLooking(torch.Tensor):
         return True
 
 
+def test_differential_calls_our_hopper_kernel_takes_stay_ours(flash, monkeypatch):
+    """A differential call the varlen launcher routes to our Hopper prefill kernel (head size
+    128 on an sm90 GPU: ``prefill_kernel_takes``, measured faster than flash-attn 4's two
+    calls) is not the backend's; the same call at a head size that kernel does not take, or
+    on another GPU, is (two calls); plain calls stay flash-attn's either way."""
+    from compiled_attn.ops.triton_kernels import attention as launchers
+
+    flash(4)
+    g = torch.Generator().manual_seed(8)
+    lam = torch.tensor(0.3)
+    for head_size, sm90, ours in ((128, True, True), (128, False, False), (64, True, False)):
+        monkeypatch.setattr(launchers, "is_hopper", lambda index, sm90=sm90: sm90)
+        q, k, v, cu_q, cu_k = batch(g, head_size=head_size)
+        q, k, v = (t.as_subclass(CudaLooking) for t in (q, k, v))
+        args = (q, k, v, cu_q, cu_k, lam, 0.125, True, -1, -1, 0.0, None, None)
+        assert flash_backend.covers(*args) is not ours, (head_size, sm90)
+        assert flash_backend.covers(q, k, v, cu_q, cu_k, None, *args[6:])
+    monkeypatch.setattr(launchers, "PREFILL_KERNEL", "unified")
+    monkeypatch.setattr(launchers, "is_hopper", lambda index: True)
+    q, k, v, cu_q, cu_k = (t.as_subclass(CudaLooking) if t.dim() == 3 else t for t in batch(g, head_size=128))
+    assert flash_backend.covers(q, k, v, cu_q, cu_k, lam, 0.125, True, -1, -1, 0.0, None, None)
+
+
 def test_disabled_routes_covered_calls_to_our_kernel(flash, monkeypatch):
     calls = flash(4)
     ours = []
@@ -296,7 +317,7 @@ def test_calls_under_min_query_tokens_stay_on_our_kernel(flash, monkeypatch):
     assert flash_backend.covers(*args)
     monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", q.shape[0] + 1)
     assert not flash_backend.covers(*args)
-    assert flash_backend._formulation(q, torch.tensor(0.3), None, None) is None
+    assert flash_backend._formulation(q, k, v, torch.tensor(0.3), None, None) is None
     assert calls == []
 
 

@@ -61,18 +61,21 @@ def test_compiled_paged_attention_launches_our_kernels(seqs, differential):
     assert bool((got[pad_rows] == 0).all())
 
 
-@pytest.mark.parametrize("kernel", ["attention_kernel", "prefill_kernel"])
-def test_compiled_varlen_attention_launches_our_kernels_and_trains(kernel, monkeypatch):
+@pytest.mark.parametrize("kernel, head_size", [("attention_kernel", 64), ("prefill_kernel", 64),
+                                               ("prefill_kernel", 128)])
+def test_compiled_varlen_attention_launches_our_kernels_and_trains(kernel, head_size, monkeypatch):
     """Forward traced through the launcher (the unified kernel, or the Hopper prefill kernel
-    that ``PREFILL_KERNEL`` routes covered head sizes to), backward through the op's
+    that ``PREFILL_KERNEL`` routes covered head sizes to: at D 128 its sequential
+    differential schedule, which reads its own output back), backward through the op's
     gradient formula."""
     from compiled_attn.ops.triton_kernels import attention
 
-    monkeypatch.setattr(attention, "PREFILL_HEAD_SIZES", frozenset({64} if kernel == "prefill_kernel" else ()))
+    routed = frozenset({head_size} if kernel == "prefill_kernel" else ())
+    monkeypatch.setattr(attention, "PREFILL_HEAD_SIZES", routed)
     g = torch.Generator().manual_seed(3)
     lens = [1, 70, 129]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (randn_nonzero((sum(lens), h, 64), torch.bfloat16, g).cuda().requires_grad_()
+    q, k, v = (randn_nonzero((sum(lens), h, head_size), torch.bfloat16, g).cuda().requires_grad_()
                for h in (8, 2, 2))
     lam = make_lambda(8, per_pair=True).cuda()
 

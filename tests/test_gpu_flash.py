@@ -71,6 +71,29 @@ def test_alibi_and_head_size_256_differential_stay_on_our_kernel():
                                     None)
 
 
+def test_differential_prefill_at_head_size_128_stays_on_our_hopper_kernel(monkeypatch):
+    """As shipped (``PREFILL_HEAD_SIZES`` holds 128, which the fixture empties for the other
+    tests): the op runs a D 128 differential prefill on our Hopper prefill kernel, measured
+    faster than flash-attn 4's two calls, with no flash-attn call, and its plain prefill
+    through flash-attn 4."""
+    monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset({128}))
+    q, k, v, cu = batch()
+    library = flash_backend.find_library()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return library.varlen(*args, **kwargs)
+
+    monkeypatch.setattr(flash_backend, "find_library", lambda: library._replace(varlen=counted))
+    lam = torch.rand(8, device="cuda")
+    got = ops.varlen_attention(q, k, v, cu, cu, lam)
+    assert calls == []
+    assert_close_to_oracle(got, oracle_varlen(q, k, v, cu, cu, None, True, (-1, -1), 0.0, lambda_full=lam))
+    ops.varlen_attention(q, k, v, cu, cu)
+    assert calls == [1]
+
+
 def test_op_through_flash_captures_in_a_cuda_graph():
     q, k, v, cu = batch()
     lam = None

@@ -110,8 +110,12 @@ def test_paged_real_sizes_options(differential):
                     alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("route", ["hopper", "unified"])
 @pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
-def test_varlen_real_sizes(differential):
+def test_varlen_real_sizes(differential, route, monkeypatch):
+    """D 128: the Hopper prefill kernel the launcher routes it to on sm90 (``PREFILL_KERNEL``),
+    and the unified kernel."""
+    monkeypatch.setattr(triton_kernels.attention, "PREFILL_KERNEL", route)
     g = torch.Generator().manual_seed(3)
     lens = [2048, 1000, 17, 1, 333]
     total = sum(lens)

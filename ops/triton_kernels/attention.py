@@ -32,19 +32,19 @@ from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guar
 from .merge_kernel import merge_block_v, merge_splits_kernel
 from .prefill import covers as prefill_covers
 from .prefill import covers_paged as paged_prefill_covers
-from .prefill import has_tma, paged_prefill, varlen_prefill
+from .prefill import is_hopper, paged_prefill, varlen_prefill
 
 PREFILL_KERNEL = "hopper"
 """Which kernel serves ``varlen_attention`` on CUDA: ``"unified"`` (:mod:`.attention_kernel`,
-every call) or ``"hopper"`` (:mod:`.prefill` for the calls its ``covers`` accepts on an sm90+
+every call) or ``"hopper"`` (:mod:`.prefill` for the calls its ``covers`` accepts on an sm90
 GPU: fp16/bf16, head size 64/128/256 (differential 64/128), no ALiBi, no forced split count;
 the unified kernel for the rest; tiles: ``HOPPER_TILES`` when K/V go through TMA, else
-``PAGED_TILES``). ``"hopper"`` as measured on the H200 (2026-12-01, bf16, causal, Hq 32,
-Hkv 8, D 128, ``profiling/bench_kernels.py --parts prefill``): B=8 S=2048 plain 0.758 ms
-against the unified kernel's 0.806, differential 0.929 against 1.667 (64 sequences of
-128-4096 tokens: 8.26 / 9.02 plain, 11.02 / 18.73 differential), for the head sizes of
-:data:`PREFILL_HEAD_SIZES`. Read at each call (and at trace time under ``torch.compile``), so
-a benchmark can flip it."""
+``PAGED_TILES``; :func:`prefill_kernel_takes`). ``"hopper"`` as measured on the H200
+(2026-12-01, bf16, causal, Hq 32, Hkv 8, D 128, ``profiling/bench_kernels.py --parts
+prefill``): B=8 S=2048 plain 0.758 ms against the unified kernel's 0.806, differential 0.929
+against 1.667 (64 sequences of 128-4096 tokens: 8.26 / 9.02 plain, 11.02 / 18.73
+differential), for the head sizes of :data:`PREFILL_HEAD_SIZES`. Read at each call (and at
+trace time under ``torch.compile``), so a benchmark can flip it."""
 
 PREFILL_HEAD_SIZES = frozenset({128})
 """Head sizes whose covered ``varlen_attention`` calls ``PREFILL_KERNEL = "hopper"`` routes to
@@ -64,6 +64,24 @@ the unified kernel for the rest (decode, mixed batches of mostly decode rows). O
 1.922 against 2.105 differential; the default stays ``"unified"`` until the engine's GPU tests
 (mixed-step graphs, chunked prefill, prefix hits) have run with it. Read at each call (and at
 trace time under ``torch.compile``), so a benchmark can flip it."""
+
+
+def prefill_kernel_serves(head_size: int, tensor: Tensor) -> bool:
+    """Whether :func:`varlen_attention` runs covered calls of ``head_size`` on ``tensor``'s
+    device through the Hopper prefill kernel: :data:`PREFILL_KERNEL` ``"hopper"``,
+    ``head_size`` in :data:`PREFILL_HEAD_SIZES`, an NVIDIA sm90 GPU (:func:`.prefill.is_hopper`:
+    the kernel's tiles are sized for its shared memory). Reads no tensor values."""
+    return (PREFILL_KERNEL == "hopper" and head_size in PREFILL_HEAD_SIZES and tensor.is_cuda
+            and is_hopper(tensor.get_device()))
+
+
+def prefill_kernel_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None,
+                         alibi_slopes: Tensor | None) -> bool:
+    """Whether :func:`varlen_attention` (with no forced split count) runs this call through
+    the Hopper prefill kernel: :func:`prefill_kernel_serves` its head size and device, and
+    :func:`.prefill.covers` the call (dtypes, ALiBi, grid limits). Shapes and dtypes only."""
+    return prefill_kernel_serves(q.shape[-1], q) and prefill_covers(q, k, v, lambda_full, alibi_slopes)
+
 
 UNBOUNDED = 1 << 30  # a distance no sequence reaches
 SPLIT_ALIGN = 16  # elements: every split of the split buffers starts at a multiple (split_strides)
@@ -131,8 +149,7 @@ def varlen_attention(
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
     differential. Other arguments as :func:`paged_attention`. With :data:`PREFILL_KERNEL`
     ``"hopper"``, covered calls go to :func:`.prefill.varlen_prefill`."""
-    if (PREFILL_KERNEL == "hopper" and num_splits is None and q.is_cuda and q.shape[-1] in PREFILL_HEAD_SIZES
-            and has_tma(q.get_device()) and prefill_covers(q, k, v, lambda_full, alibi_slopes)):
+    if num_splits is None and prefill_kernel_takes(q, k, v, lambda_full, alibi_slopes):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                               window_right, softcap, None, scale_softcap, out=out)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, k.shape[0], lambda_full, scale, causal,

@@ -206,10 +206,19 @@ def tma_ready(tensor: Tensor, head_size: int) -> bool:
 
 
 @functools.cache
-def has_tma(index: int) -> bool:
-    """Whether CUDA device ``index`` is sm90 or newer (TMA tensor descriptors, wgmma): where
-    the op routes covered prefills to this kernel (``attention.PREFILL_KERNEL``)."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _has_tma(index: int) -> bool:
+    """Whether CUDA device ``index`` is an NVIDIA GPU of sm90 or newer (TMA tensor descriptors)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def is_hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` is an NVIDIA sm90 GPU (H100/H200): what the tiles here
+    are sized for (up to 227 KiB of shared memory a program; sm120 GPUs have 99 KiB, ROCm's
+    MI300, which PyTorch reports as capability 9.4, 64 KiB) and timed on, and so where the op
+    routes covered prefills to this kernel (``attention.prefill_kernel_serves``)."""
+    return (torch.version.hip is None and index >= 0 and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(index)[0] == 9)
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
@@ -333,7 +342,7 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
     on_gpu = q.is_cuda
     if use_tma is None:
         tma_tensors = (q,) if paged else (q, k, v)  # paged K/V: pointer loads
-        use_tma = (on_gpu and has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
+        use_tma = (on_gpu and _has_tma(q.get_device()) and all(tma_ready(t, head_size) for t in tma_tensors)
                    and tma_ready(out, out.shape[-1]))
     kv_tma = use_tma and not paged
     tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu, kv_tma)
