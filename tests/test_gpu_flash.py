@@ -38,6 +38,19 @@ def any_size(monkeypatch):
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset())
 
 
+def count_flash_calls(monkeypatch) -> list:
+    """The backend's library with its varlen function counted: one entry a flash-attn call."""
+    library = flash_backend.find_library()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return library.varlen(*args, **kwargs)
+
+    monkeypatch.setattr(flash_backend, "find_library", lambda: library._replace(varlen=counted))
+    return calls
+
+
 def batch(head_size=128):
     g = torch.Generator().manual_seed(head_size)
     lens = [1, 300, 1000, 77]
@@ -78,14 +91,7 @@ def test_differential_prefill_at_head_size_128_stays_on_our_hopper_kernel(monkey
     through flash-attn 4."""
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset({128}))
     q, k, v, cu = batch()
-    library = flash_backend.find_library()
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return library.varlen(*args, **kwargs)
-
-    monkeypatch.setattr(flash_backend, "find_library", lambda: library._replace(varlen=counted))
+    calls = count_flash_calls(monkeypatch)
     lam = torch.rand(8, device="cuda")
     got = ops.varlen_attention(q, k, v, cu, cu, lam)
     assert calls == []
@@ -116,14 +122,7 @@ def test_compiled_public_op_at_default_options_runs_flash_attn(differential, mon
     4 (counted), with the eager result."""
     q, k, v, cu = batch()
     lam = torch.rand(8, device="cuda") if differential else None
-    library = flash_backend.find_library()
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return library.varlen(*args, **kwargs)
-
-    monkeypatch.setattr(flash_backend, "find_library", lambda: library._replace(varlen=counted))
+    calls = count_flash_calls(monkeypatch)
     eager = ops.varlen_attention(q, k, v, cu, cu, lam)
     calls.clear()
     compiled = torch.compile(lambda q: ops.varlen_attention(q, k, v, cu, cu, lam) * 1.0, fullgraph=True)
