@@ -204,32 +204,42 @@ def causal_flops(lens: list[int], differential: bool) -> float:
     return flops.attention_flops(HQ, D, D, sum(n * n for n in lens) / 2, differential)
 
 
+def prefill_tiles(differential: bool, paged: bool = False) -> tuple:
+    """The Hopper prefill kernel's tiles the benchmark times at D 128: the default first
+    (``HOPPER_TILES``, or ``PAGED_TILES`` when ``paged``), then the sweep's alternatives."""
+    from compiled_attn.ops.triton_kernels import prefill
+
+    defaults, sweeps = ((prefill.PAGED_TILES, prefill.PAGED_SWEEP_TILES) if paged
+                        else (prefill.HOPPER_TILES, prefill.SWEEP_TILES))
+    return (defaults[D, differential], *sweeps[D, differential])
+
+
 def hopper_prefill_rows() -> list[ResultRow]:
     """The Hopper prefill kernel (``prefill.varlen_prefill``, the varlen op's route at D 128:
     ``attention.PREFILL_KERNEL``) against the unified kernel (:func:`unified_varlen`), SDPA cuDNN (plain, B=8 only:
     dense batch) and the issue's absolute differential target (0.96 ms, flash-attn 4's two
     calls), at its default tiles and at each alternative in ``SWEEP_TILES``; plus its
     largest difference from the unified kernel (bf16 rounding, tolerance 0.02)."""
-    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, SWEEP_TILES, varlen_prefill
+    from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
 
     rows = []
     for case, lens in _varlen_batches().items():
         q, k, v, cu, lam = _varlen_inputs(lens)
         for name, lam_arg in (("plain", None), ("differential", lam)):
-            key = (D, lam_arg is not None)
             unified = _eager_ms(lambda: unified_varlen(q, k, v, cu, cu, lam_arg))
             diff = (varlen_prefill(q, k, v, cu, cu, lam_arg).float()
                     - unified_varlen(q, k, v, cu, cu, lam_arg).float()).abs().max().item()
             rows.append(ResultRow(f"prefill {case} {name}: hopper max |diff| vs unified", "abs", diff,
                                   "bf16 tolerance", 0.02, "<= 1.0"))
-            for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
+            default_tiles, *_ = every = prefill_tiles(lam_arg is not None)
+            for tiles in every:
                 label = tiles.label()
                 try:
                     ms = _eager_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam_arg, tiles=tiles))
                 except Exception as err:  # a tile that does not compile or launch here: report, go on
                     print(f"hopper {label} failed: {str(err)[:300]}")
                     continue
-                default = " (default)" if tiles == HOPPER_TILES[key] else ""
+                default = " (default)" if tiles == default_tiles else ""
                 rows.append(ResultRow(f"prefill {case} {name}: unified / hopper {label}{default}", "ms", unified,
                                       "hopper ms", ms, ">= 1.0" if default else ""))
                 if default:
@@ -264,8 +274,7 @@ def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 5
     <= 1.1x contiguous), at :data:`PAGED_TILES` and each alternative in
     ``PAGED_SWEEP_TILES``; plus the unified kernel's paged time and the largest difference
     from it (bf16 rounding)."""
-    from compiled_attn.ops.triton_kernels.prefill import (HOPPER_TILES, PAGED_SWEEP_TILES, PAGED_TILES,
-                                                                 paged_prefill, varlen_prefill)
+    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, paged_prefill, varlen_prefill
 
     context = prefix + chunk
     _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
@@ -282,8 +291,8 @@ def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 5
         diff = (paged_prefill(*args, lam).float() - triton_kernels.paged_attention(*args, lam).float()).abs().max()
         rows.append(ResultRow(f"{case}: hopper paged max |diff| vs unified", "abs", diff.item(), "bf16 tolerance",
                               0.02, "<= 1.0"))
-        default = PAGED_TILES[(D, lam is not None)]
-        for tiles in (default, *PAGED_SWEEP_TILES[(D, lam is not None)]):
+        default, *_ = every = prefill_tiles(lam is not None, paged=True)
+        for tiles in every:
             label = tiles.label()
             try:
                 paged_ms = _eager_ms(lambda: paged_prefill(*args, lam, tiles=tiles))
@@ -386,12 +395,12 @@ def _hopper_queued_ms(q, k, v, cu, lam) -> dict[str, float]:
     its default tiles and at each alternative of ``SWEEP_TILES``, by tile label (the
     default's ends in `` (default)``); a tile that fails to build or launch is reported and
     left out (it must not cost the flash-attn rows)."""
-    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, SWEEP_TILES, varlen_prefill
+    from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
 
-    key = (D, lam is not None)
+    default, *_ = every = prefill_tiles(lam is not None)
     times = {}
-    for tiles in (HOPPER_TILES[key], *SWEEP_TILES[key]):
-        label = tiles.label() + (" (default)" if tiles == HOPPER_TILES[key] else "")
+    for tiles in every:
+        label = tiles.label() + (" (default)" if tiles == default else "")
         try:
             times[label] = _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))
         except Exception as err:
@@ -584,12 +593,8 @@ def warm_prefill(jobs: int) -> None:
     import concurrent.futures
     import multiprocessing
 
-    from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, PAGED_SWEEP_TILES, PAGED_TILES, SWEEP_TILES
-
-    work = [("varlen", differential, tiles) for differential in (False, True)
-            for tiles in (HOPPER_TILES[D, differential], *SWEEP_TILES[D, differential])]
-    work += [("paged", differential, tiles) for differential in (False, True)
-             for tiles in (PAGED_TILES[D, differential], *PAGED_SWEEP_TILES[D, differential])]
+    work = [("paged" if paged else "varlen", differential, tiles) for paged in (False, True)
+            for differential in (False, True) for tiles in prefill_tiles(differential, paged)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         failures = [message for message in pool.map(_compile_prefill, work) if message]

@@ -346,8 +346,6 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
                    and tma_ready(out, out.shape[-1]))
     kv_tma = use_tma and not paged
     tiles = tiles or choose_prefill_tiles(head_size, differential, q.dtype, on_gpu, kv_tma)
-    if tiles.value_split and tiles.sequential:
-        raise ValueError(f"tiles: value_split and sequential exclude each other, got {tiles}")
     scale = default_scale(scale, head_size)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     lambda_full = None if lambda_full is None else lambda_full.contiguous()
@@ -363,7 +361,9 @@ def _prefill(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, ca
            window, tiles, use_tma, q.get_device(),
            None if block_table is None else (block_table.shape, block_table.stride()))
     spec = _SPECS.get(key)
-    if spec is None:
+    if spec is None:  # the tiles are in the key: checked once per launch spec
+        if tiles.value_split and tiles.sequential:
+            raise ValueError(f"tiles: value_split and sequential exclude each other, got {tiles}")
         constexprs = dict(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, DIFFERENTIAL=differential,
             LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1,
