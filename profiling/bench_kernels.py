@@ -33,6 +33,8 @@ from compiled_attn.results import ResultRow, write_results
 
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
+# Tiles of the Gluon prefill kernel timed beside its default (block_m a consumer, block_n, stages)
+GLUON_SWEEP = ((64, 64, 3), (64, 64, 4))
 
 
 def _graph_ms(fn) -> float:
@@ -438,6 +440,77 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
                       "hopper ms", ms["ours hopper"], ">= 1.0")]
 
 
+def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
+    """The warp-specialized Gluon prefill kernel (``gluon_prefill``), plain causal, at its
+    default tiles and each of :data:`GLUON_SWEEP`: against flash-attn 4 called directly (where
+    ``flash_attn.cute`` imports), our Triton Hopper kernel at its default tiles and SDPA cuDNN
+    (B=8 S=2048 only), on the two varlen batches; paged (``batch`` sequences of ``chunk`` new
+    tokens after ``prefix`` cached, block 16) against the same kernel over the same keys
+    contiguous (issue 12: <= 1.1) and flash-attn 4's paged call. Every row timed by
+    :func:`_queued_ms`; plus the largest difference from the Triton Hopper kernel."""
+    from compiled_attn.ops import flash_backend
+    from compiled_attn.ops.triton_kernels import gluon_prefill
+    from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
+
+    library = flash_backend.find_library()
+    fa4 = library.varlen if library is not None and library.name == "flash-attn 4" else None
+    rows = []
+    for case, lens in _varlen_batches().items():
+        q, k, v, cu, _ = _varlen_inputs(lens)
+        diff = (gluon_prefill.varlen_prefill(q, k, v, cu, cu).float() - varlen_prefill(q, k, v, cu, cu).float())
+        rows.append(ResultRow(f"prefill {case} plain: gluon max |diff| vs hopper", "abs", diff.abs().max().item(),
+                              "bf16 tolerance", 0.02, "<= 1.0"))
+        hopper = _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu))
+        flash = fa4 and _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0])
+        for tiles in (gluon_prefill.TILES, *(gluon_prefill.GluonTiles(*t) for t in GLUON_SWEEP)):
+            label = "{}x{} s{}".format(*tiles) + (" (default)" if tiles == gluon_prefill.TILES else "")
+            try:
+                ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, tiles=tiles))
+            except Exception as err:  # a tile that does not compile or launch here: report, go on
+                print(f"gluon {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
+                continue
+            target = ">= 1.0" if "default" in label else ""
+            rows.append(ResultRow(f"prefill {case} plain: our hopper kernel / gluon {label}", "ms", hopper,
+                                  "gluon ms", ms))
+            if flash:
+                rows.append(ResultRow(f"prefill {case} plain: flash-attn 4 / gluon {label}", "ms", flash,
+                                      "gluon ms", ms, target))
+            if "default" in label:
+                rows.append(ResultRow(f"prefill {case} plain: gluon TFLOP/s", "TFLOP/s",
+                                      causal_flops(lens, False) / ms / 1e9, "flash-attn 4 TFLOP/s",
+                                      causal_flops(lens, False) / (flash or float("inf")) / 1e9))
+        if case == "B=8 S=2048":
+            q4, k4, v4 = (t.view(len(lens), lens[0], -1, D).transpose(1, 2) for t in (q, k, v))
+            k4, v4 = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k4, v4))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+            rows.append(ResultRow(f"prefill {case} plain: SDPA cuDNN / gluon", "ms", _queued_ms(cudnn), "gluon ms",
+                                  _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu))))
+    context = prefix + chunk
+    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
+    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    k, v = (cache[table.long()].reshape(batch * context, HKV, D) for cache in (key_cache, value_cache))
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * context
+    case = f"paged prefill B={batch} {chunk} new after {prefix} cached, block {BLOCK}"
+    args = (query, key_cache, value_cache, cu_q, seq_lens, table)
+    paged_out, contiguous_out = gluon_prefill.paged_prefill(*args), gluon_prefill.varlen_prefill(query, k, v, cu_q, cu_k)
+    rows.append(ResultRow(f"{case}: gluon paged max |diff| vs contiguous", "abs",
+                          (paged_out.float() - contiguous_out.float()).abs().max().item(), "bf16 tolerance", 0.02,
+                          "<= 1.0"))
+    paged = _queued_ms(lambda: gluon_prefill.paged_prefill(*args))
+    rows.append(ResultRow(f"{case}: gluon paged / gluon contiguous", "ms", paged, "gluon contiguous ms",
+                          _queued_ms(lambda: gluon_prefill.varlen_prefill(query, k, v, cu_q, cu_k)), "<= 1.1"))
+    if fa4:
+        rows.append(ResultRow(f"{case}: flash-attn 4 / gluon paged", "ms",
+                              _queued_ms(lambda: fa4(query, key_cache, value_cache, cu_seqlens_q=cu_q,
+                                                     cu_seqlens_k=None, seqused_k=seq_lens, page_table=table,
+                                                     causal=True)), "gluon paged ms", paged, ">= 1.0"))
+    return rows
+
+
 # (tile_n, num_warps, num_stages, max_registers, num_splits) overrides of the fp8 decode's
 # default tiles and split count (None: the default's). Beside each, from Triton 3.6's sm90
 # compile of the B=64 ctx 8k launch: K/V shared-memory buffers, resident programs a
@@ -605,7 +678,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
-                        choices=["decode", "prefill", "cache", "flash", "fp8"])
+                        choices=["decode", "prefill", "cache", "flash", "fp8", "gluon"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
     parser.add_argument("--fp8-sweep", action="store_true", help="fp8 part: time candidate tiles and splits too")
@@ -620,7 +693,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
              "cache": lambda: cache_rows(bandwidth), "flash": flash_rows,
-             "fp8": lambda: fp8_rows(bandwidth, sweep=args.fp8_sweep)}
+             "fp8": lambda: fp8_rows(bandwidth, sweep=args.fp8_sweep), "gluon": gluon_rows}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))

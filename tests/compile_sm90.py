@@ -2,7 +2,8 @@
 
 ``python compile_sm90.py backward``: the backward kernels of ``varlen_attention``;
 ``python compile_sm90.py decode``: paged decode launches as an H200 (132 multiprocessors)
-makes them, split into flash-decoding partials. Run in a process without
+makes them, split into flash-decoding partials; ``python compile_sm90.py gluon``: the Gluon
+prefill kernel (``gluon_prefill``), contiguous and paged. Run in a process without
 ``TRITON_INTERPRET``: the launcher runs on small CPU tensors with its launches recorded
 instead of made (as ``kernel_writes.py``), then each recorded launch goes through
 ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, every stage down to the cubin
@@ -27,6 +28,7 @@ import triton
 from triton.backends import BaseBackend
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime import jit
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -98,6 +100,38 @@ def backward_launches() -> list[tuple[str, object, dict, dict]]:
     return launches
 
 
+def gluon_launches() -> list[tuple[str, object, dict, dict]]:
+    """``(case, kernel, arguments by name, options)`` of the Gluon prefill kernel
+    (``gluon_prefill``) at its tiles, bf16 causal, Hq 32, Hkv 8, on 132 multiprocessors:
+    contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64 over
+    blocks of 16."""
+    from compiled_attn.ops.triton_kernels import gluon_prefill
+    from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
+
+    launches, case = [], [""]
+
+    def record(grid, args, constexprs):
+        launches.append((case[0], gluon_prefill_kernel, {**dict(zip(gluon_prefill_kernel.arg_names, args)),
+                                                         **constexprs}, dict(num_warps=4)))
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 100, 356], dtype=torch.int32)
+    with mock.patch.object(gluon_prefill, "_run", record), \
+            mock.patch.object(gluon_prefill, "multiprocessor_count", lambda device: 132):
+        for head_size in (64, 128):
+            case[0] = f"contiguous d{head_size}"
+            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+            kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
+            gluon_prefill.varlen_prefill(q, kv, kv, cu, cu)
+        for head_size, block_size in ((128, 16), (128, 64), (128, 256), (64, 16)):
+            case[0] = f"paged b{block_size} d{head_size}"
+            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+            cache = torch.randn(4096 // block_size, block_size, 8, head_size, generator=g).to(torch.bfloat16)
+            table = torch.arange(cache.shape[0], dtype=torch.int32).view(2, -1)
+            gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([1124, 1380], dtype=torch.int32), table)
+    return launches
+
+
 def compile_for_sm90(kernel, kwargs: dict, options: dict):
     """``triton.compile`` of one launch for :data:`TARGET` (specialized as ``JITFunction.run``
     would specialize it)."""
@@ -118,7 +152,8 @@ def compile_for_sm90(kernel, kwargs: dict, options: dict):
             constants[(param.num,)] = arg
         elif isinstance(spec, str):
             attrs[(param.num,)] = backend.parse_attr(spec)
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=TARGET, options=options)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    return triton.compile(source(kernel, signature, constants, attrs), target=TARGET, options=options)
 
 
 def ptxas_usage(ptx: str) -> dict:
@@ -141,7 +176,7 @@ def ptxas_usage(ptx: str) -> dict:
 
 
 def main() -> None:
-    launches = {"backward": backward_launches, "decode": decode_launches}[sys.argv[1]]()
+    launches = {"backward": backward_launches, "decode": decode_launches, "gluon": gluon_launches}[sys.argv[1]]()
     report = []
     for case, kernel, kwargs, options in launches:
         compiled = compile_for_sm90(kernel, kwargs, options)

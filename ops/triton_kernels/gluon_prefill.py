@@ -1,0 +1,178 @@
+"""Host side of the warp-specialized Gluon prefill kernel (:mod:`.gluon_prefill_kernel`):
+which calls it serves (:func:`covers`, :func:`covers_paged`) and its launchers
+(:func:`varlen_prefill`, :func:`paged_prefill`).
+
+The kernel serves plain causal (or right-windowed) prefill of fp16/bf16 at head sizes 64
+and 128 on an NVIDIA sm90 GPU, contiguous K/V or a paged cache; everything else (softcap,
+left windows, ALiBi, differential pairs, float8 caches, other head sizes) stays with
+:mod:`.prefill`. Its TMA descriptors are built on the host over the whole tensors (no
+device-side descriptor, no global scratch); a Gluon kernel cannot be traced into Inductor's
+code, so under ``torch.compile`` the calls it takes stay opaque (``ops/backends.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..attention import default_scale, output_buffer
+from .launch_utils import device_guard, multiprocessor_count
+
+LOG2E = 1.4426950408889634
+UNBOUNDED = 1 << 30  # a distance no sequence reaches (as attention.visibility_bounds)
+HEAD_SIZES = (64, 128)
+
+
+class GluonTiles(NamedTuple):
+    """``block_m`` query rows a consumer (the work tile is ``2 * block_m``), ``block_n`` keys
+    a step, ``stages`` key/value buffers."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+
+
+TILES = GluonTiles()
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper API with warp specialization (Triton 3.5+)."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(gl, "warp_specialize")
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _dense_rows(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s last two dims ``[H, D]`` are dense and its rows (every dim
+    before them) one 16-byte-aligned stride apart from its 16-byte-aligned start: what a TMA
+    descriptor over its ``[rows, H * D]`` view reads."""
+    *lead, heads, size = tensor.shape
+    if tensor.stride(-1) != 1 or tensor.stride(-2) != size:
+        return False
+    row_stride = tensor.stride(-3)
+    for dim in range(tensor.dim() - 4, -1, -1):  # a cache's blocks: rows of blocks too
+        if tensor.stride(dim) != tensor.shape[dim + 1] * tensor.stride(dim + 1):
+            return False
+    return (row_stride * tensor.element_size()) % 16 == 0 and tensor.data_ptr() % 16 == 0
+
+
+def _takes_options(q: Tensor, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap) -> bool:
+    return (lambda_full is None and alibi_slopes is None and scale_softcap is None and softcap <= 0
+            and window_left < 0 and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in HEAD_SIZES and q.is_cuda and _sm90(q.get_device()) and gluon_available())
+
+
+def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: float | None, window_left: int,
+           softcap: float, alibi_slopes: Tensor | None, scale_softcap: Tensor | None) -> bool:
+    """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain (no
+    ``lambda_full``), no softcap, no left window, no ALiBi, a positive scale; fp16/bf16 q, k
+    and v of one dtype, head size 64 or 128; q, k and v TMA-readable (:func:`_dense_rows`);
+    an sm90 GPU with Gluon. Shapes, strides and dtypes only."""
+    return (_takes_options(q, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
+            and all(_dense_rows(t) for t in (q, k, v)))
+
+
+def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, lambda_full: Tensor | None,
+                 scale: float | None, window_left: int, softcap: float, alibi_slopes: Tensor | None,
+                 scale_softcap: Tensor | None) -> bool:
+    """Whether :func:`paged_prefill` serves this ``paged_attention`` call: what
+    :func:`covers` takes, over caches ``[num_blocks, block_size, Hkv, D]`` of the query's
+    dtype (no float8 cache) with a power-of-two ``block_size >= 8``. Which calls are
+    prefill-heavy enough to want it is the caller's choice."""
+    block_size = key_cache.shape[1]
+    return (covers(query, key_cache, value_cache, lambda_full, scale, window_left, softcap, alibi_slopes,
+                   scale_softcap)
+            and key_cache.dim() == 4 and block_size >= 8 and block_size & (block_size - 1) == 0)
+
+
+def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   scale: float | None = None, causal: bool = True, window_right: int = -1, *,
+                   out: Tensor | None = None, tiles: GluonTiles = TILES) -> Tensor:
+    """``flash_attn_varlen_func`` semantics (plain, bottom-right causal or a right window)
+    through :func:`.gluon_prefill_kernel.gluon_prefill_kernel`.
+
+    Args:
+        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16, D 64 or 128, :func:`covers`).
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32.
+        scale: softmax scale, default ``D ** -0.5``; causal, window_right: visibility.
+        out: optional ``[Tq, Hq, D]`` buffer (q's dtype, heads and dims dense).
+
+    Returns:
+        ``out``.
+    """
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, scale, causal, window_right, out, tiles)
+
+
+def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+                  block_table: Tensor, scale: float | None = None, causal: bool = True, window_right: int = -1, *,
+                  out: Tensor | None = None, tiles: GluonTiles = TILES) -> Tensor:
+    """``paged_attention`` prefill (chunked prefill, prefix hits) through the Gluon kernel:
+    keys from caches ``[num_blocks, block_size, Hkv, D]`` through ``block_table`` ``[B,
+    max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its new tokens included;
+    causal bottom-right aligned). Other arguments as :func:`varlen_prefill`."""
+    return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, causal, window_right,
+                   out, tiles)
+
+
+def _descriptor(tensor: Tensor, rows: int, box_rows: int):
+    """A TMA descriptor over ``tensor`` viewed as ``[rows, H * D]``, box ``[box_rows, D]``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    heads, size = tensor.shape[-2:]
+    dtype = gl.bfloat16 if tensor.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([box_rows, size], dtype)
+    return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], [box_rows, size], layout)
+
+
+def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, scale, causal, window_right, out, tiles) -> Tensor:
+    """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
+    ``None``, else paged caches)."""
+    out = output_buffer(q, False, out)
+    num_tokens, num_heads, head_size = q.shape
+    if num_tokens == 0:
+        return out
+    paged = block_table is not None
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    tile_m = 2 * tiles.block_m
+    num_q_tiles = num_tokens // tile_m + num_seqs
+    if paged:
+        num_blocks, block_size = k.shape[:2]
+        kv_rows, box = num_blocks * block_size, min(block_size, tiles.block_n)
+        stride_vb, stride_vt = v.stride(0), v.stride(1)
+        stride_bt = block_table.stride(0)
+    else:
+        block_size, kv_rows, box = 1, k.shape[0], tiles.block_n
+        stride_vb, stride_vt, stride_bt = 0, v.stride(0), 0
+        block_table = cu_seqlens_q  # placeholder (never read)
+    min_dist = 0 if causal else (-window_right if window_right >= 0 else -UNBOUNDED)
+    qk_scale = default_scale(scale, head_size) * LOG2E
+    args = (out, _descriptor(q, num_tokens, tile_m), _descriptor(k, kv_rows, box), _descriptor(v, kv_rows, box), v,
+            cu_seqlens_q, kv_lens, block_table, num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0),
+            stride_vb, stride_vt, stride_bt)
+    constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
+                      BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size)
+    grid = (min(num_heads * num_q_tiles, multiprocessor_count(q.device)),)
+    with device_guard(q):
+        _run(grid, args, constexprs)
+    return out
+
+
+def _run(grid: tuple[int], args: tuple, constexprs: dict) -> None:
+    """The kernel launch (one warpgroup a partition: ``num_warps=4``)."""
+    from .gluon_prefill_kernel import gluon_prefill_kernel
+
+    gluon_prefill_kernel[grid](*args, **constexprs, num_warps=4)

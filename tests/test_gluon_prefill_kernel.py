@@ -1,0 +1,166 @@
+"""The warp-specialized Gluon prefill kernel (``ops/triton_kernels/gluon_prefill_kernel.py``)
+against the float64 oracle.
+
+Gluon kernels do not run under Triton's interpreter, so without a GPU only two things run
+here: :func:`test_compiles_for_sm90` compiles the kernel for sm90 (contiguous and paged,
+D 64 and 128) down to a cubin with Triton's bundled ptxas, and the ``covers`` predicates
+are checked on shapes. With an sm90 GPU (``pytest -m gpu``) every case draws fresh random
+inputs at the kernel's real 128-row work tiles and 128-key steps, fills the output with
+NaN (every element must be written), puts NaN in K/V rows past the last sequence and in
+every cache slot no sequence owns (a value read there unmasked turns ``0 * NaN`` into NaN),
+and compares with :mod:`oracle`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
+
+from oracle import assert_close_to_oracle, oracle_paged, oracle_varlen  # noqa: E402
+from paged_batches import make_paged_batch, make_varlen_batch, pad  # noqa: E402
+
+from compiled_attn.ops.triton_kernels import gluon_prefill  # noqa: E402
+
+ON_SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+           and gluon_prefill.gluon_available())
+gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and Triton's Gluon")
+
+
+def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+               causal=True, window_right=-1, scale=None, seed=0):
+    """Kernel vs oracle; NaN-poisoned output and NaN K/V rows past the last sequence."""
+    batch = make_varlen_batch(q_lens, k_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                              dtype=dtype, seed=seed)
+    q, k, v, cu_q, cu_k = batch.attention_args()
+    nan = torch.full((130, num_kv_heads, head_size), float("nan"), dtype=dtype)  # a whole key tile past the end
+    k_dev, v_dev = torch.cat([k, nan]).cuda(), torch.cat([v, nan]).cuda()
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    assert gluon_prefill.covers(q.cuda(), k_dev, v_dev, None, scale, -1, 0.0, None, None)
+    got = gluon_prefill.varlen_prefill(q.cuda(), k_dev, v_dev, cu_q.cuda(), cu_k.cuda(), scale, causal, window_right,
+                                       out=out)
+    assert got is out
+    expected = oracle_varlen(q, k, v, cu_q, cu_k, scale=scale, causal=causal, window=(-1, window_right))
+    assert_close_to_oracle(out, expected)
+    if batch.empty_rows:
+        assert bool((out[batch.empty_rows] == 0).all()), "rows with no key must be exact zeros"
+
+
+def run_paged(seqs, *, block_size=16, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, causal=True,
+              seed=0):
+    """Kernel vs oracle on a fresh paged batch: NaN in unowned cache slots, NaN-poisoned output."""
+    batch = make_paged_batch(seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, dtype=dtype, seed=seed, unused_fill="nan")
+    args = [t.cuda() for t in batch.attention_args()]
+    out = torch.full(batch.query.shape, float("nan"), dtype=dtype, device="cuda")
+    assert gluon_prefill.covers_paged(args[0], args[1], args[2], None, None, -1, 0.0, None, None)
+    got = gluon_prefill.paged_prefill(*args, causal=causal, out=out)
+    assert got is out
+    assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal))
+    if batch.pad_rows:
+        assert bool((out[batch.pad_rows] == 0).all()), "padded rows (no key) must be exact zeros"
+
+
+# Query runs of one token, one short of a 64-row consumer half, a whole 128-row tile and one
+# past it, several tiles with a partial last one; keys fewer than, as many as and more than
+# the queries (causal bottom-right: early queries of a longer run see nothing), a sequence
+# with no keys, key counts on and off the 128-key steps.
+LENS_Q = [1, 63, 128, 129, 300, 7, 5]
+LENS_K = [1, 63, 128, 200, 300, 0, 140]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_causal_varlen(head_size, dtype):
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, dtype=dtype, seed=head_size)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
+def test_gqa(num_heads, num_kv_heads):
+    run_varlen([257, 64], [300, 64], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_heads + num_kv_heads)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_right", [-1, 0, 37], ids=["none", "w0", "w37"])
+def test_noncausal(window_right):
+    run_varlen([200, 1, 129], [333, 77, 129], causal=False, window_right=window_right, scale=0.07,
+               seed=window_right + 10)
+
+
+@gpu
+@pytest.mark.gpu
+def test_many_sequences():
+    """Sequences straddling tile boundaries in number (the binary search, the ``Tq // 128 + B``
+    bound, empty work tiles) and more work tiles than multiprocessors (the persistent loop)."""
+    g = torch.Generator().manual_seed(5)
+    q_lens = [int(x) for x in torch.randint(1, 400, (40,), generator=g)]
+    k_lens = [q + int(torch.randint(0, 150, (), generator=g)) for q in q_lens]
+    q_lens[3] = 0
+    run_varlen(q_lens, k_lens, num_heads=16, num_kv_heads=4, seed=6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_paged(block_size, head_size):
+    # chunks after contexts on and off block and tile boundaries, a prefill with no context,
+    # a one-token decode row, a padded row (no keys)
+    run_paged([(0, 130), (1000, 300), (17, 1), (256, 128), (5, 200), pad(3), (33, 64)], block_size=block_size,
+              head_size=head_size, seed=block_size + head_size)
+
+
+@gpu
+@pytest.mark.gpu
+def test_paged_noncausal_fp16():
+    run_paged([(100, 150), (0, 7)], block_size=32, dtype=torch.float16, causal=False, seed=3)
+
+
+def test_covers():
+    """Shapes, dtypes and options: plain fp16/bf16 at D 64/128 with a positive scale only,
+    no softcap, left window, ALiBi or differential pair; never on the CPU."""
+    q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
+    kv = torch.empty(8, 2, 128, dtype=torch.bfloat16)
+    assert not gluon_prefill.covers(q, kv, kv, None, None, -1, 0.0, None, None)  # a CPU tensor
+    if not ON_SM90:
+        return
+    q, kv = q.cuda(), kv.cuda()
+    assert gluon_prefill.covers(q, kv, kv, None, None, -1, 0.0, None, None)
+    for lam, scale, left, softcap, alibi in ((torch.ones(2), None, -1, 0.0, None), (None, -0.1, -1, 0.0, None),
+                                            (None, None, 5, 0.0, None), (None, None, -1, 3.0, None),
+                                            (None, None, -1, 0.0, torch.ones(4))):
+        assert not gluon_prefill.covers(q, kv, kv, lam, scale, left, softcap, alibi, None)
+    assert not gluon_prefill.covers(q[:, :, :96], kv[:, :, :96], kv[:, :, :96], None, None, -1, 0.0, None, None)
+    assert not gluon_prefill.covers(q.float(), kv.float(), kv.float(), None, None, -1, 0.0, None, None)
+    assert not gluon_prefill.covers(q[:, ::2], kv, kv, None, None, -1, 0.0, None, None)  # heads not dense
+
+
+@pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
+def test_compiles_for_sm90():
+    """The kernel lowers to a cubin for sm90 (contiguous and paged at blocks 16/64/256, D 64
+    and 128) within 227 KiB of shared memory, its wgmma not serialized by ptxas and the
+    consumers without register spills (``tests/compile_sm90.py gluon``, no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_sm90.py")
+    done = subprocess.run([sys.executable, str(script), "gluon"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    for row in report:
+        assert 0 < row["shared"] <= 227 * 1024, row
+        assert not row["wgmma_serialized"], row
+        # the producer runs at 24 registers: gathering a paged tile's block ids may spill there
+        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 64, row
