@@ -15,8 +15,9 @@ shapes are traced *through* their launcher, as ``torch.library.triton_op`` does
 themselves (``wrap_triton``), launch plans are decided once at compile time, and Inductor
 launches the kernels from its generated code, without a dispatcher call or our Python
 launcher per call. With symbolic shapes (a dynamic batch, as :class:`compiled_attn.Engine`
-compiles), or a varlen or paged call that flash-attn covers, the op stays opaque: its fake gives
-shapes and the kernel picks a plan per call from the real shapes. ``reshape_and_cache``
+compiles), or a varlen or paged call that flash-attn or the Gluon prefill kernel
+(``triton_kernels.gluon_prefill``) covers, the op stays opaque: its fake gives shapes and
+the kernel picks a plan per call from the real shapes. ``reshape_and_cache``
 stays opaque: it writes the KV cache in place, which a traced kernel would have to
 functionalize (a copy of the cache). Under ``TRITON_INTERPRET=1`` nothing is traced through
 (fake tensors cannot reach the interpreter), so the interpreter tests call the launchers
@@ -46,16 +47,18 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 if TRITON_AVAILABLE:
     from . import flash_backend, triton_kernels
     from .triton_kernels import compiled_variants
+    from .triton_kernels.attention import gluon_takes_paged, gluon_takes_varlen
 
     register_kernel(PAGED_ATTENTION, "CUDA", flash_backend.paged_attention)  # flash-attn 4 for prefill it covers
     register_kernel(VARLEN_ATTENTION, "CUDA", flash_backend.varlen_attention)  # flash-attn where it covers
     register_kernel(VARLEN_ATTENTION_BACKWARD, "CUDA", triton_kernels.varlen_attention_backward)
     register_kernel(RESHAPE_AND_CACHE, "CUDA", triton_kernels.reshape_and_cache)
     register_kernel(FUSED_LINEAR, "CUDA", triton_kernels.fused_linear)
+    # opaque: the calls flash-attn or our Gluon prefill kernel run (neither traces into Inductor's code)
     register_traced_kernel(PAGED_ATTENTION, triton_kernels.paged_attention, triton_kernels.traced_launches,
-                           opaque=flash_backend.covers_paged)
+                           opaque=lambda *args: flash_backend.covers_paged(*args) or gluon_takes_paged(*args))
     register_traced_kernel(VARLEN_ATTENTION, triton_kernels.varlen_attention, triton_kernels.traced_launches,
-                           opaque=flash_backend.covers)
+                           opaque=lambda *args: flash_backend.covers(*args) or gluon_takes_varlen(*args))
     register_traced_kernel(FUSED_LINEAR, triton_kernels.fused_linear, triton_kernels.traced_launches)
 else:
     def compiled_variants() -> int:

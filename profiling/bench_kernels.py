@@ -33,8 +33,10 @@ from compiled_attn.results import ResultRow, write_results
 
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-# Tiles of the Gluon prefill kernel timed beside its default (block_m a consumer, block_n, stages)
-GLUON_SWEEP = ((64, 64, 3), (64, 64, 4))
+# Tiles of the Gluon prefill kernel timed beside its default (gluon_prefill.GluonTiles: block_m a
+# consumer, block_n, stages, overlap, pingpong). 2026-12-02, before overlap and pingpong existed:
+# 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048).
+GLUON_SWEEP = ((64, 128, 2, False, False), (64, 128, 2, True, False), (64, 128, 2, False, True))
 
 
 def _graph_ms(fn) -> float:
@@ -463,7 +465,7 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
         hopper = _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu))
         flash = fa4 and _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0])
         for tiles in (gluon_prefill.TILES, *(gluon_prefill.GluonTiles(*t) for t in GLUON_SWEEP)):
-            label = "{}x{} s{}".format(*tiles) + (" (default)" if tiles == gluon_prefill.TILES else "")
+            label = tiles.label() + (" (default)" if tiles == gluon_prefill.TILES else "")
             try:
                 ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, tiles=tiles))
             except Exception as err:  # a tile that does not compile or launch here: report, go on

@@ -34,8 +34,15 @@ ON_SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] =
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and Triton's Gluon")
 
 
+# FlashAttention-3's schedules: intra-warpgroup overlap, inter-warpgroup ping-pong, both
+SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.GluonTiles(),
+             "overlap": gluon_prefill.GluonTiles(overlap=True),
+             "pingpong": gluon_prefill.GluonTiles(pingpong=True),
+             "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True)}
+
+
 def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
-               causal=True, window_right=-1, scale=None, seed=0):
+               causal=True, window_right=-1, scale=None, seed=0, tiles=gluon_prefill.TILES):
     """Kernel vs oracle; NaN-poisoned output and NaN K/V rows past the last sequence."""
     batch = make_varlen_batch(q_lens, k_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                               dtype=dtype, seed=seed)
@@ -45,7 +52,7 @@ def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=12
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
     assert gluon_prefill.covers(q.cuda(), k_dev, v_dev, None, scale, -1, 0.0, None, None)
     got = gluon_prefill.varlen_prefill(q.cuda(), k_dev, v_dev, cu_q.cuda(), cu_k.cuda(), scale, causal, window_right,
-                                       out=out)
+                                       out=out, tiles=tiles)
     assert got is out
     expected = oracle_varlen(q, k, v, cu_q, cu_k, scale=scale, causal=causal, window=(-1, window_right))
     assert_close_to_oracle(out, expected)
@@ -54,14 +61,14 @@ def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=12
 
 
 def run_paged(seqs, *, block_size=16, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, causal=True,
-              seed=0):
+              seed=0, tiles=gluon_prefill.TILES):
     """Kernel vs oracle on a fresh paged batch: NaN in unowned cache slots, NaN-poisoned output."""
     batch = make_paged_batch(seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype, seed=seed, unused_fill="nan")
     args = [t.cuda() for t in batch.attention_args()]
     out = torch.full(batch.query.shape, float("nan"), dtype=dtype, device="cuda")
     assert gluon_prefill.covers_paged(args[0], args[1], args[2], None, None, -1, 0.0, None, None)
-    got = gluon_prefill.paged_prefill(*args, causal=causal, out=out)
+    got = gluon_prefill.paged_prefill(*args, causal=causal, out=out, tiles=tiles)
     assert got is out
     assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal))
     if batch.pad_rows:
@@ -86,6 +93,23 @@ def test_causal_varlen(head_size, dtype):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", list(SCHEDULES)[1:])
+def test_schedules(schedule):
+    """Each schedule on causal varlen (D 64 and 128), right windows, many sequences and paged
+    blocks of 16."""
+    tiles = SCHEDULES[schedule]
+    run_varlen(LENS_Q, LENS_K, tiles=tiles, seed=1)
+    run_varlen(LENS_Q, LENS_K, head_size=64, dtype=torch.float16, tiles=tiles, seed=2)
+    run_varlen([200, 1, 129], [333, 77, 129], causal=False, window_right=37, scale=0.07, tiles=tiles, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q_lens = [int(x) for x in torch.randint(1, 400, (24,), generator=g)]
+    run_varlen(q_lens, [q + int(torch.randint(0, 150, (), generator=g)) for q in q_lens], num_heads=16,
+               num_kv_heads=4, tiles=tiles, seed=5)
+    run_paged([(0, 130), (1000, 300), (17, 1), (256, 128), (5, 200), pad(3), (33, 64)], tiles=tiles, seed=6)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
 def test_gqa(num_heads, num_kv_heads):
     run_varlen([257, 64], [300, 64], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_heads + num_kv_heads)
@@ -97,6 +121,16 @@ def test_gqa(num_heads, num_kv_heads):
 def test_noncausal(window_right):
     run_varlen([200, 1, 129], [333, 77, 129], causal=False, window_right=window_right, scale=0.07,
                seed=window_right + 10)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_noncausal_whole_key_tiles(schedule):
+    """Non-causal over key counts that are multiples of the 128-key step: no tile of a row
+    is masked (once wrong rows and a fault: the kernel now masks the first step anyway)."""
+    run_varlen([128, 256, 2048, 1000], [128, 256, 2048, 1024], causal=False, num_heads=32, num_kv_heads=8,
+               tiles=SCHEDULES[schedule], seed=21)
 
 
 @gpu
@@ -164,3 +198,104 @@ def test_compiles_for_sm90():
         assert not row["wgmma_serialized"], row
         # the producer runs at 24 registers: gathering a paged tile's block ids may spill there
         assert row["spill_stores"] <= 64 and row["spill_loads"] <= 64, row
+
+
+def _count_calls(monkeypatch, name: str) -> list:
+    """Record each call of ``gluon_prefill.<name>`` (the launchers route through the module)."""
+    calls, launcher = [], getattr(gluon_prefill, name)
+    monkeypatch.setattr(gluon_prefill, name, lambda *a, **kw: calls.append(a) or launcher(*a, **kw))
+    return calls
+
+
+@gpu
+@pytest.mark.gpu
+def test_op_routes_plain_prefill_here(monkeypatch):
+    """The ops (through the dispatcher) run plain covered varlen prefill and prefill-heavy paged
+    calls (``T >= 128 B``) on this kernel, with the oracle's result; differential calls, a
+    decode batch and every call with ``GLUON_PREFILL`` off go elsewhere."""
+    import compiled_attn.ops as ops
+    from compiled_attn.ops.triton_kernels import attention
+
+    varlen_calls, paged_calls = _count_calls(monkeypatch, "varlen_prefill"), _count_calls(monkeypatch, "paged_prefill")
+    batch = make_varlen_batch([300, 17], [300, 40], num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+                              seed=7)
+    args = [t.cuda() for t in batch.attention_args()]
+    assert_close_to_oracle(ops.varlen_attention(*args), oracle_varlen(*batch.attention_args()))
+    assert len(varlen_calls) == 1
+    ops.varlen_attention(*args, torch.full((4,), 0.3, device="cuda"))  # differential: not here
+    monkeypatch.setattr(attention, "GLUON_PREFILL", False)
+    ops.varlen_attention(*args)
+    assert len(varlen_calls) == 1
+    monkeypatch.setattr(attention, "GLUON_PREFILL", True)
+    prefill = make_paged_batch([(100, 300), (0, 200)], num_heads=8, num_kv_heads=2, head_size=128,
+                               dtype=torch.bfloat16, seed=8, unused_fill="nan")
+    got = ops.paged_attention(*[t.cuda() for t in prefill.attention_args()])
+    assert_close_to_oracle(got, oracle_paged(*prefill.attention_args()))
+    decode = make_paged_batch([(100, 1), (300, 2)], num_heads=8, num_kv_heads=2, head_size=128,
+                              dtype=torch.bfloat16, seed=9, unused_fill="nan")
+    ops.paged_attention(*[t.cuda() for t in decode.attention_args()])
+    assert len(paged_calls) == 1
+
+
+@gpu
+@pytest.mark.gpu
+def test_compiled_call_stays_opaque(monkeypatch):
+    """Under ``torch.compile(fullgraph=True)`` with static shapes, a covered call stays one op
+    call in Inductor's code (a Gluon kernel is not traced), no graph break, and runs here."""
+    import compiled_attn.ops as ops
+    from torch._inductor.utils import run_and_get_code
+
+    calls = _count_calls(monkeypatch, "varlen_prefill")
+    batch = make_varlen_batch([200, 65], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, seed=10)
+    args = [t.cuda() for t in batch.attention_args()]
+    torch._dynamo.reset()
+    got, code = run_and_get_code(torch.compile(lambda *a: ops.varlen_attention(*a) * 2.0, fullgraph=True), *args)
+    assert "torch.ops.compiled_attn.varlen_attention.default" in "\n".join(code)
+    assert len(calls) >= 1
+    assert_close_to_oracle(got, 2.0 * oracle_varlen(*batch.attention_args()))
+
+
+@gpu
+@pytest.mark.gpu
+def test_paged_prefill_in_a_cuda_graph():
+    """Captured once, replayed after the metadata changes (lengths, block tables, a padded
+    row): each replay equals the eager call bit for bit and the oracle within tolerance."""
+    import compiled_attn.ops as ops
+
+    rounds = [[(200, 300), (0, 200), (17, 12)], [(1000, 500), (5, 1), pad(11)], [(0, 512), (64, 0), (300, 0)]]
+    batches = [make_paged_batch(seqs, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, seed=20 + i,
+                                unused_fill="nan", extra_columns=80 - len(seqs)) for i, seqs in enumerate(rounds)]
+    width = max(b.block_table.shape[1] for b in batches)
+    blocks = max(b.key_cache.shape[0] for b in batches)
+    static = [torch.zeros((512, 8, 128), dtype=torch.bfloat16, device="cuda"),
+              torch.full((blocks, 16, 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda"),
+              torch.full((blocks, 16, 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda"),
+              torch.zeros(4, dtype=torch.int32, device="cuda"), torch.zeros(3, dtype=torch.int32, device="cuda"),
+              torch.zeros((3, width), dtype=torch.int32, device="cuda")]
+
+    def load(batch):
+        query, key_cache, value_cache, cu_q, seq_lens, table = batch.attention_args()
+        static[0].copy_(torch.nn.functional.pad(query, (0, 0, 0, 0, 0, 512 - query.shape[0])))
+        for dst, src in ((static[1], key_cache), (static[2], value_cache)):
+            dst.fill_(float("nan"))
+            dst[:src.shape[0]].copy_(src)
+        static[3].copy_(torch.nn.functional.pad(cu_q, (0, 4 - cu_q.shape[0]), value=int(cu_q[-1])))
+        static[4].copy_(seq_lens)
+        static[5].copy_(torch.nn.functional.pad(table, (0, width - table.shape[1])))
+
+    load(batches[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.paged_attention(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention(*static)
+    for number, batch in enumerate(batches):
+        load(batch)
+        out.fill_(float("nan"))
+        graph.replay()
+        rows = batch.query.shape[0]  # (the rows past them belong to no sequence: left unwritten)
+        assert torch.equal(out[:rows], ops.paged_attention(*static)[:rows]), f"round {number}"
+        assert_close_to_oracle(out[:rows], oracle_paged(*batch.attention_args()))

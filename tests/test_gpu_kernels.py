@@ -110,12 +110,13 @@ def test_paged_real_sizes_options(differential):
                     alibi_slopes=slopes)
 
 
-@pytest.mark.parametrize("route", ["hopper", "unified"])
-@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
+@pytest.mark.parametrize("differential, route", [(False, "gluon"), (False, "hopper"), (False, "unified"),
+                                               (True, "hopper"), (True, "unified")])
 def test_varlen_real_sizes(differential, route, monkeypatch):
-    """D 128: the Hopper prefill kernel the launcher routes it to on sm90 (``PREFILL_KERNEL``),
-    and the unified kernel."""
-    monkeypatch.setattr(triton_kernels.attention, "PREFILL_KERNEL", route)
+    """D 128: the Gluon prefill kernel the launcher routes plain calls to on sm90
+    (``GLUON_PREFILL``), the Hopper prefill kernel (``PREFILL_KERNEL``), and the unified kernel."""
+    monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", route == "gluon")
+    monkeypatch.setattr(triton_kernels.attention, "PREFILL_KERNEL", "hopper" if route == "gluon" else route)
     g = torch.Generator().manual_seed(3)
     lens = [2048, 1000, 17, 1, 333]
     total = sum(lens)
@@ -295,8 +296,11 @@ def test_cuda_graph_paged(phase, differential):
         assert bool((out[pad_rows] == 0).all())
 
 
-@pytest.mark.parametrize("differential", [False, True], ids=["plain", "differential"])
-def test_cuda_graph_varlen(differential):
+@pytest.mark.parametrize("differential, gluon", [(False, True), (False, False), (True, False)],
+                         ids=["plain-gluon", "plain", "differential"])
+def test_cuda_graph_varlen(differential, gluon, monkeypatch):
+    """Plain calls on the Gluon prefill kernel (``GLUON_PREFILL``) and on the unified kernel."""
+    monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", gluon)
     g = torch.Generator().manual_seed(11)
     total_q, total_k, num_seqs = 64, 96, 4
     q = torch.empty((total_q, NUM_HEADS, 64), dtype=torch.bfloat16, device="cuda")

@@ -200,7 +200,9 @@ def test_gpu_real_tiles(head_size, differential, tiles_from):
 @pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU")
 def test_gpu_op_routes_when_switched(monkeypatch):
     """With ``PAGED_PREFILL_KERNEL = "hopper"`` the paged launcher gives the unified kernel's
-    result through the prefill kernel for a covered call."""
+    result through the prefill kernel for a covered call (the Gluon prefill kernel, which would
+    take this plain call first, switched off: ``GLUON_PREFILL``)."""
+    monkeypatch.setattr(attention_launchers, "GLUON_PREFILL", False)
     batch = make_paged_batch([(500, 200), (37, 300)], block_size=16, num_heads=8, num_kv_heads=2, head_size=128,
                              dtype=torch.bfloat16, seed=3)
     args = [t.to(DEVICE) for t in batch.attention_args()]

@@ -253,7 +253,9 @@ def test_gpu_op_routes_to_the_prefill_kernel(monkeypatch):
     """By default (``PREFILL_KERNEL = "hopper"``) the op's CUDA launcher runs covered calls of
     head size 128 (``PREFILL_HEAD_SIZES``), plain and differential, through the prefill
     kernel, with the unified kernel's result (``PREFILL_KERNEL = "unified"``), and ALiBi
-    through the unified kernel."""
+    through the unified kernel (the Gluon prefill kernel, which would take the plain calls first,
+    switched off: ``GLUON_PREFILL``)."""
+    monkeypatch.setattr(attention_launchers, "GLUON_PREFILL", False)
     assert 128 in attention_launchers.PREFILL_HEAD_SIZES
     batch = make_varlen_batch([200, 37], [200, 50], num_heads=8, num_kv_heads=2, head_size=128,
                               dtype=torch.bfloat16, seed=3)

@@ -21,6 +21,9 @@ module                         idea
 ``prefill``                    its tiles and launchers: ``varlen_prefill`` / ``covers``
                                (``attention.PREFILL_KERNEL`` routes to it) and ``paged_prefill`` /
                                ``covers_paged`` (``attention.PAGED_PREFILL_KERNEL``)
+``gluon_prefill_kernel``       warp-specialized prefill (Gluon, sm90): a TMA producer warpgroup and two
+                               consumer warpgroups, persistent; plain varlen and paged
+``gluon_prefill``              its launchers and ``covers`` (``attention.GLUON_PREFILL`` routes to it)
 ``attention``                  host launchers ``paged_attention`` / ``varlen_attention``
 ``launch_utils``               small host helpers (powers of two, device guard, SM count)
 =============================  =======================================================================
@@ -32,6 +35,8 @@ module                         idea
 custom ops. They can also be called directly, on CPU tensors too when ``TRITON_INTERPRET=1``
 is set before Triton is imported (the interpreter tests do so).
 """
+
+import sys
 
 from .attention import paged_attention, varlen_attention
 from .attention_backward_kernel import (attention_backward_dkdv_kernel, attention_backward_dq_kernel,
@@ -55,7 +60,10 @@ def compiled_variants() -> int:
     """Variants of our Triton kernels compiled (or loaded from Triton's disk cache) in this
     process so far, summed over Triton's in-memory kernel caches (0 under the interpreter).
     A count that grows during a request means the request waited for a JIT compile."""
-    return sum(len(caches[0]) for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values())
+    kernels = KERNELS
+    if (gluon := sys.modules.get(f"{__name__}.gluon_prefill_kernel")) is not None:  # loaded at its first launch
+        kernels += (gluon.gluon_prefill_kernel,)
+    return sum(len(caches[0]) for kernel in kernels for caches in getattr(kernel, "device_caches", {}).values())
 
 
 __all__ = ["compiled_variants", "fused_linear", "paged_attention", "reshape_and_cache", "traced_launches",

@@ -28,8 +28,9 @@ from ..attention import default_scale, output_buffer
 from .attention_kernel import attention_kernel
 from .config import TileConfig, choose_num_splits, choose_tiles
 from .launch_utils import (BoundedCache, CachedLauncher, alignments, device_guard, multiprocessor_count,
-                           next_power_of_2)
+                           next_power_of_2, tracing_launches)
 from .merge_kernel import merge_block_v, merge_splits_kernel
+from . import gluon_prefill
 from .prefill import covers as prefill_covers
 from .prefill import covers_paged as paged_prefill_covers
 from .prefill import is_hopper, paged_prefill, varlen_prefill
@@ -64,6 +65,42 @@ the unified kernel for the rest (decode, mixed batches of mostly decode rows). O
 1.922 against 2.105 differential; the default stays ``"unified"`` until the engine's GPU tests
 (mixed-step graphs, chunked prefill, prefix hits) have run with it. Read at each call (and at
 trace time under ``torch.compile``), so a benchmark can flip it."""
+
+
+GLUON_PREFILL = True
+"""Whether plain prefill runs on the warp-specialized Gluon kernel (:mod:`.gluon_prefill`)
+where it covers the call, before the routes above: ``varlen_attention`` calls
+:func:`gluon_takes_varlen` takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes.
+On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, ``profiling/bench_kernels.py
+--parts gluon``) it took 0.639 ms at B=8 S=2048 against 0.744 for the Hopper prefill kernel
+(7.46 / 8.44 ms for 64 sequences of 128-4096 tokens), and paged prefill (512 new tokens after
+4096 cached, block 16) 0.588 ms against the unified kernel's 1.161. Read at each call, so a
+benchmark can flip it. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel
+cannot be traced into Inductor's code: ``ops/backends.py``)."""
+
+
+def gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
+                       window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, scale_softcap=None) -> bool:
+    """Whether :func:`varlen_attention` (with no forced split count) runs these schema
+    arguments on the Gluon kernel: :data:`GLUON_PREFILL` and :func:`.gluon_prefill.covers`
+    (shapes, strides, dtypes and options only: the ``opaque`` predicate of the traced op)."""
+    return GLUON_PREFILL and gluon_prefill.covers(q, k, v, lambda_full, scale, window_left, softcap, alibi_slopes,
+                                                   scale_softcap)
+
+
+def gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full=None,
+                      scale=None, causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                      scale_softcap=None, k_scale=None, v_scale=None) -> bool:
+    """Whether :func:`paged_attention` (with no forced split count or tiles) runs these schema
+    arguments on the Gluon kernel: :data:`GLUON_PREFILL`, :func:`.gluon_prefill.covers_paged`
+    (a 16-bit cache of the query's dtype) and a prefill-heavy batch, at least one work tile of
+    queries a sequence (``T >= 128 B``: chunked prefill, prefix hits); a decode step or a batch
+    of mostly decode rows stays on the unified kernel, which packs a GQA group's rows into one
+    tile. Shapes only."""
+    tile_m = 2 * gluon_prefill.TILES.block_m
+    return (GLUON_PREFILL and query.shape[0] >= tile_m * max(seq_lens.shape[0], 1)
+            and gluon_prefill.covers_paged(query, key_cache, value_cache, lambda_full, scale, window_left, softcap,
+                                           alibi_slopes, scale_softcap))
 
 
 def prefill_kernel_serves(head_size: int, tensor: Tensor) -> bool:
@@ -129,6 +166,12 @@ def paged_attention(
     max_kv_len = block_table.shape[1] * key_cache.shape[1]
     if key_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = None
+    if (num_splits is None and tiles is None and not tracing_launches()
+            and gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                                  scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
+            and gluon_prefill.aligned(query, key_cache, value_cache, out)):
+        return gluon_prefill.paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                                           causal, window_right, out=out)
     if (PAGED_PREFILL_KERNEL == "hopper" and num_splits is None and tiles is None and query.is_cuda
             and paged_prefill_covers(query, key_cache, value_cache, seq_lens.shape[0], lambda_full, alibi_slopes)):
         return paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
@@ -147,8 +190,14 @@ def varlen_attention(
 ) -> Tensor:
     """The ``compiled_attn::varlen_attention`` op on CUDA: attention over packed contiguous
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
-    differential. Other arguments as :func:`paged_attention`. With :data:`PREFILL_KERNEL`
+    differential. Other arguments as :func:`paged_attention`. Calls :func:`gluon_takes_varlen`
+    takes go to :func:`.gluon_prefill.varlen_prefill`; then, with :data:`PREFILL_KERNEL`
     ``"hopper"``, covered calls go to :func:`.prefill.varlen_prefill`."""
+    if (num_splits is None and not tracing_launches()
+            and gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                                   window_right, softcap, alibi_slopes, scale_softcap)
+            and gluon_prefill.aligned(q, k, v, out)):
+        return gluon_prefill.varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_right, out=out)
     if num_splits is None and prefill_kernel_takes(q, k, v, lambda_full, alibi_slopes):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                               window_right, softcap, None, scale_softcap, out=out)

@@ -28,14 +28,25 @@ HEAD_SIZES = (64, 128)
 
 class GluonTiles(NamedTuple):
     """``block_m`` query rows a consumer (the work tile is ``2 * block_m``), ``block_n`` keys
-    a step, ``stages`` key/value buffers."""
+    a step, ``stages`` key/value buffers; ``overlap`` and ``pingpong``: FlashAttention-3's
+    intra- and inter-warpgroup schedules (the kernel's ``OVERLAP``, ``PINGPONG``)."""
 
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
+    overlap: bool = False
+    pingpong: bool = False
+
+    def label(self) -> str:
+        """``64x128 s2`` with `` overlap`` / `` pingpong`` where set (benchmark rows)."""
+        return f"{self.block_m}x{self.block_n} s{self.stages}" + " overlap" * self.overlap + " pingpong" * self.pingpong
 
 
-TILES = GluonTiles()
+# H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon): with
+# both schedules 0.614 ms at B=8 S=2048 and 7.37 ms for 64 sequences of 128-4096 tokens, against
+# 0.622 / 7.58 with neither, 0.640 / 7.69 overlap only, 0.628 / 7.76 pingpong only; 64x64 s3 with
+# both 0.641 / 7.93.
+TILES = GluonTiles(overlap=True, pingpong=True)
 
 
 @functools.cache
@@ -56,16 +67,22 @@ def _sm90(index: int) -> bool:
 
 def _dense_rows(tensor: Tensor) -> bool:
     """Whether ``tensor``'s last two dims ``[H, D]`` are dense and its rows (every dim
-    before them) one 16-byte-aligned stride apart from its 16-byte-aligned start: what a TMA
-    descriptor over its ``[rows, H * D]`` view reads."""
-    *lead, heads, size = tensor.shape
+    before them) one 16-byte multiple apart: what a TMA descriptor over its ``[rows, H * D]``
+    view reads (from a 16-byte-aligned start: :func:`aligned`). Strides only (fake tensors
+    too)."""
+    size = tensor.shape[-1]
     if tensor.stride(-1) != 1 or tensor.stride(-2) != size:
         return False
-    row_stride = tensor.stride(-3)
     for dim in range(tensor.dim() - 4, -1, -1):  # a cache's blocks: rows of blocks too
         if tensor.stride(dim) != tensor.shape[dim + 1] * tensor.stride(dim + 1):
             return False
-    return (row_stride * tensor.element_size()) % 16 == 0 and tensor.data_ptr() % 16 == 0
+    return (tensor.stride(-3) * tensor.element_size()) % 16 == 0
+
+
+def aligned(*tensors: Tensor | None) -> bool:
+    """Whether every given tensor starts at a 16-byte-aligned address (a TMA descriptor's
+    base; the launch-time half of what :func:`covers` checks on strides)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _takes_options(q: Tensor, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap) -> bool:
@@ -78,8 +95,9 @@ def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: f
            softcap: float, alibi_slopes: Tensor | None, scale_softcap: Tensor | None) -> bool:
     """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain (no
     ``lambda_full``), no softcap, no left window, no ALiBi, a positive scale; fp16/bf16 q, k
-    and v of one dtype, head size 64 or 128; q, k and v TMA-readable (:func:`_dense_rows`);
-    an sm90 GPU with Gluon. Shapes, strides and dtypes only."""
+    and v of one dtype, head size 64 or 128; q, k and v TMA-readable by their strides
+    (:func:`_dense_rows`; their addresses: :func:`aligned`, at launch); an sm90 GPU with
+    Gluon. Shapes, strides and dtypes only (the ``opaque`` predicate of the traced op)."""
     return (_takes_options(q, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
             and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
             and all(_dense_rows(t) for t in (q, k, v)))
@@ -164,7 +182,8 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, scale, causal, window_r
             cu_seqlens_q, kv_lens, block_table, num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0),
             stride_vb, stride_vt, stride_bt)
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
-                      BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size)
+                      BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
+                      OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong)
     grid = (min(num_heads * num_q_tiles, multiprocessor_count(q.device)),)
     with device_guard(q):
         _run(grid, args, constexprs)

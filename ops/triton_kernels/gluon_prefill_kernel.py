@@ -161,13 +161,14 @@ def _gather_values(v_ptr, smem, bar, table_row, kv_start, kv_len, start, col, st
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows,
+def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+              v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows,
               stride_vb, stride_vt, stride_bt,
               NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Streams each work tile's queries and key/value tiles (diagonal first) into the
-    buffers, waiting for the consumers to release a buffer before refilling it."""
+    buffers, waiting for both consumers to release a buffer (keys and values apart: a
+    consumer is done with a tile's keys one step before its values) before refilling it."""
     TILE_M: gl.constexpr = 2 * BLOCK_M
     GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
     q_count = 0
@@ -179,8 +180,7 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
             qi = q_count % 2
             mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
             mbarrier.expect(q_ready.index(qi), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_start + q_first, unit * HEAD_SIZE], q_ready.index(qi),
-                                            q_bufs.index(qi))
+            _tma_load(q_desc, [q_start + q_first, unit * HEAD_SIZE], q_ready.index(qi), q_bufs.index(qi))
             q_count += 1
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             col = unit // GROUP * HEAD_SIZE
@@ -188,9 +188,11 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
             for step in range(tile_hi):
                 start = (tile_hi - 1 - step) * BLOCK_N
                 s = kv_count % STAGES
-                mbarrier.wait(kv_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
+                phase = ((kv_count // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), phase)
                 _load_kv_tile(k_desc, k_bufs.index(s), k_ready.index(s), table_row, kv_start, kv_len, start, col,
                               cache_rows, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_SIZE)
+                mbarrier.wait(v_empty.index(s), phase)
                 if start + BLOCK_N > kv_len:
                     _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
                                    stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_SIZE)
@@ -202,17 +204,33 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
 
 # ----------------------------------------------------------------------------- consumers
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, v_bar, phase, m, l, acc, start, pos, kv_len, min_dist, qk_scale,
-            MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr):
-    """One online-softmax step of a consumer over the key tile from key ``start``:
-    ``s = q kᵀ`` (unscaled), masked when ``MASKED`` (keys past ``kv_len`` or unseen from
-    positions ``pos``), then ``acc * alpha + p v`` once the values are in (``v_bar`` at
-    ``phase``)."""
+def _await_turn(turns, turn_count, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG (FlashAttention-3's inter-warpgroup schedule, §3.1): wait until the other
+    consumer has issued its wgmma of the previous turn (consumer 0 goes first)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(CONSUMER), (turn_count & 1) ^ (1 - CONSUMER))
+
+
+@gluon.jit
+def _pass_turn(turns, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: let the other consumer issue its wgmma (this one's are issued)."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - CONSUMER), count=1)
+
+
+@gluon.jit
+def _issue_scores(q_smem, k_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``q kᵀ`` (unscaled), issued asynchronously (wait with ``warpgroup_mma_wait``)."""
+    return warpgroup_mma(q_smem, k_smem.permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, _mma_layout(BLOCK_N)), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One online-softmax step over the scores ``s`` of the key tile from key ``start``,
+    masked when ``MASKED`` (keys past ``kv_len`` or unseen from positions ``pos``):
+    ``(m_new, l_new, p, alpha)``; the accumulator's update is ``acc * alpha + p v``."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_SIZE)
-    s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
     if MASKED:
         keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = ((pos[:, None] - keys[None, :]) >= min_dist) & (keys < kv_len)[None, :]
@@ -224,28 +242,92 @@ def _attend(q_smem, k_smem, v_smem, v_bar, phase, m, l, acc, start, pos, kv_len,
         m_new_scaled = m_new * qk_scale
     p = gl.exp2(s * qk_scale - m_new_scaled[:, None])
     alpha = gl.exp2(m * qk_scale - m_new_scaled)
-    l = l * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(v_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    mbarrier.wait(v_bar, phase)
-    acc = warpgroup_mma(p, v_smem, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return m_new, l, acc
+    return m_new, l * alpha + gl.sum(p, axis=1), p, alpha
 
 
 @gluon.jit
-def _consumer(out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _rescale(acc, alpha):
+    """``acc * alpha`` per row (``alpha`` in the score rows' layout)."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _as_operand(p, dtype: gl.constexpr, HEAD_SIZE: gl.constexpr):
+    """The probabilities as the register A operand of ``p v`` (a no-op layout change: the
+    wgmma accumulator's fragment is the next wgmma's A fragment)."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_SIZE),
+                                                              k_width=2))
+
+
+@gluon.jit
+def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
+                start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
+                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr,
+                STAGES: gl.constexpr):
+    """A key tile without overlap: scores, softmax, ``p v``, each waited for in turn."""
+    s = kv_count % STAGES
+    phase = (kv_count // STAGES) & 1
+    mbarrier.wait(k_ready.index(s), phase)
+    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
+    _pass_turn(turns, CONSUMER, PINGPONG)
+    scores = warpgroup_mma_wait(0, deps=(scores,))
+    mbarrier.arrive(k_empty.index(s), count=1)
+    m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
+    acc = _rescale(acc, alpha)
+    mbarrier.wait(v_ready.index(s), phase)
+    _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
+    acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, HEAD_SIZE), v_bufs.index(s), acc, is_async=True)
+    _pass_turn(turns, CONSUMER, PINGPONG)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(s), count=1)
+    return m, l, acc, kv_count + 1, turn_count + 2
+
+
+@gluon.jit
+def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
+                     turn_count, start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr,
+                     PINGPONG: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_SIZE: gl.constexpr, STAGES: gl.constexpr):
+    """FlashAttention-3's intra-warpgroup overlap (§3.2): with the previous key tile's
+    probabilities ``p`` (buffer ``kv_count - 1``), issue this tile's ``q kᵀ`` and then the
+    previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
+    tile's softmax runs while ``p v`` is still on the tensor cores."""
+    s = kv_count % STAGES
+    phase = (kv_count // STAGES) & 1
+    prev = (kv_count - 1) % STAGES
+    prev_phase = ((kv_count - 1) // STAGES) & 1
+    mbarrier.wait(k_ready.index(s), phase)
+    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
+    mbarrier.wait(v_ready.index(prev), prev_phase)
+    acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+    _pass_turn(turns, CONSUMER, PINGPONG)
+    scores = warpgroup_mma_wait(1, deps=(scores,))
+    mbarrier.arrive(k_empty.index(s), count=1)
+    m, l, p_new, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    return m, l, _rescale(acc, alpha), _as_operand(p_new, v_bufs.dtype, HEAD_SIZE), kv_count + 1, turn_count + 1
+
+
+@gluon.jit
+def _consumer(out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
               cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
               CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """Rows ``[CONSUMER * BLOCK_M, (CONSUMER + 1) * BLOCK_M)`` of each work tile: the masked
     key tiles (diagonal band, last partial tile), then the interior ones, then the
-    normalized output rows (masked pointer stores)."""
+    normalized output rows (masked pointer stores). ``OVERLAP``: :func:`_overlapped_step`
+    (the first tile, always masked, without ``p v``; the last tile's ``p v`` after the
+    loops); else :func:`_plain_step`."""
     TILE_M: gl.constexpr = 2 * BLOCK_M
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_SIZE)
     q_count = 0
     kv_count = 0
+    turn_count = 0
     for tile in range(gl.program_id(0), NUM_HEADS * num_q_tiles, gl.num_programs(0)):
         unit, seq, q_start, q_len, q_first, kv_start, kv_len = _locate(
             tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, NUM_HEADS, TILE_M, PAGED)
@@ -257,29 +339,56 @@ def _consumer(out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_read
             first_row = q_first + CONSUMER * BLOCK_M
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
-            masked_steps = tile_hi - gl.minimum(full_hi // BLOCK_N, tile_hi)
+            # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
+            # unmasked loop, after a zero-trip masked one, gave wrong rows and faulted)
+            masked_steps = gl.maximum(tile_hi - gl.minimum(full_hi // BLOCK_N, tile_hi), gl.minimum(tile_hi, 1))
             pos = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + kv_len - q_len
             m = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
-            for step in range(masked_steps):
-                s = kv_count % STAGES
-                phase = (kv_count // STAGES) & 1
-                mbarrier.wait(k_ready.index(s), phase)
-                m, l, acc = _attend(q_smem, k_bufs.index(s), v_bufs.index(s), v_ready.index(s), phase, m, l, acc,
-                                    (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, True,
-                                    BLOCK_M, BLOCK_N, HEAD_SIZE)
-                mbarrier.arrive(kv_empty.index(s), count=1)
-                kv_count += 1
-            for step in range(masked_steps, tile_hi):
-                s = kv_count % STAGES
-                phase = (kv_count // STAGES) & 1
-                mbarrier.wait(k_ready.index(s), phase)
-                m, l, acc = _attend(q_smem, k_bufs.index(s), v_bufs.index(s), v_ready.index(s), phase, m, l, acc,
-                                    (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, False,
-                                    BLOCK_M, BLOCK_N, HEAD_SIZE)
-                mbarrier.arrive(kv_empty.index(s), count=1)
-                kv_count += 1
+            if OVERLAP:
+                if tile_hi > 0:
+                    s = kv_count % STAGES
+                    mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+                    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+                    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
+                    _pass_turn(turns, CONSUMER, PINGPONG)
+                    scores = warpgroup_mma_wait(0, deps=(scores,))
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist,
+                                              qk_scale, True, BLOCK_N)  # (acc is 0: no rescale)
+                    p = _as_operand(p, v_bufs.dtype, HEAD_SIZE)
+                    kv_count += 1
+                    turn_count += 1
+                    for step in range(1, masked_steps):
+                        m, l, acc, p, kv_count, turn_count = _overlapped_step(
+                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p,
+                            kv_count, turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
+                            CONSUMER, PINGPONG, True, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
+                    for step in range(gl.maximum(masked_steps, 1), tile_hi):
+                        m, l, acc, p, kv_count, turn_count = _overlapped_step(
+                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p,
+                            kv_count, turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
+                            CONSUMER, PINGPONG, False, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
+                    prev = (kv_count - 1) % STAGES
+                    mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
+                    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+                    acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+                    _pass_turn(turns, CONSUMER, PINGPONG)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    turn_count += 1
+            else:
+                for step in range(masked_steps):
+                    m, l, acc, kv_count, turn_count = _plain_step(
+                        q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count,
+                        turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER,
+                        PINGPONG, True, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
+                for step in range(masked_steps, tile_hi):
+                    m, l, acc, kv_count, turn_count = _plain_step(
+                        q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count,
+                        turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER,
+                        PINGPONG, False, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
             mbarrier.arrive(q_empty.index(qi), count=1)
             l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
             o = gl.where(l[:, None] > 0, acc / gl.where(l > 0, l, 1.0)[:, None], 0.0)
@@ -289,12 +398,13 @@ def _consumer(out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_read
             gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_seqs", "num_q_tiles", "min_dist", "cache_rows"])
 def gluon_prefill_kernel(
     out_ptr, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
     num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """Plain attention of ``2 * BLOCK_M`` query tokens x one query head a work tile, over
     ``min(tiles, multiprocessors)`` persistent programs of 4 warps (the producer) + 2 x 4
@@ -313,6 +423,8 @@ def gluon_prefill_kernel(
         block_table_ptr: PAGED ``[B, max_blocks]`` int32 (row stride ``stride_bt``).
         num_q_tiles: ``Tq // (2 BLOCK_M) + B`` (the varlen bound of query tiles).
         qk_scale: ``scale * log2(e)``, positive. min_dist: see the module's masks.
+        OVERLAP, PINGPONG: FlashAttention-3's intra- and inter-warpgroup schedules
+            (:func:`_overlapped_step`, :func:`_await_turn`).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_M, HEAD_SIZE], q_desc.layout)
@@ -322,23 +434,27 @@ def gluon_prefill_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize(
         [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                      kv_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist,
-                      cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_M,
-                      BLOCK_N, STAGES, PAGED, BLOCK_SIZE)),
-         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                      k_empty, v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles,
+                      min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
+                      BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE)),
+         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                       cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
-                      0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED)),
-         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                      0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, OVERLAP, PINGPONG)),
+         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                       cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
-                      1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED))],
+                      1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, OVERLAP, PINGPONG))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
