@@ -299,3 +299,21 @@ def test_paged_prefill_in_a_cuda_graph():
         rows = batch.query.shape[0]  # (the rows past them belong to no sequence: left unwritten)
         assert torch.equal(out[:rows], ops.paged_attention(*static)[:rows]), f"round {number}"
         assert_close_to_oracle(out[:rows], oracle_paged(*batch.attention_args()))
+
+
+def test_launch_problems_are_named():
+    """The launchers refuse what the kernel cannot read with a ValueError naming the tensor,
+    before any launch (CPU tensors: the check runs first)."""
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    assert gluon_prefill.launch_problem(q, kv, kv, None) is None
+    for args, match in (((q.float(), kv.float(), kv.float()), "float16 or bfloat16"),
+                        ((q[..., :64].contiguous(), kv, kv), "head size"),
+                        ((torch.zeros(8, 4, 96, dtype=torch.bfloat16),) + (torch.zeros(8, 2, 96, dtype=torch.bfloat16),) * 2,
+                         "head size"),
+                        ((torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2], kv, kv), "q must have dense heads")):
+        with pytest.raises(ValueError, match=match):
+            gluon_prefill.varlen_prefill(*args, cu, cu)
+    with pytest.raises(ValueError, match="out must have dense heads"):
+        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, out=torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2])

@@ -169,7 +169,7 @@ def paged_attention(
     if (num_splits is None and tiles is None and not tracing_launches()
             and gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
                                   scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
-            and gluon_prefill.aligned(query, key_cache, value_cache, out)):
+            and gluon_prefill.launch_problem(query, key_cache, value_cache, out) is None):
         return gluon_prefill.paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
                                            causal, window_right, out=out)
     if (PAGED_PREFILL_KERNEL == "hopper" and num_splits is None and tiles is None and query.is_cuda
@@ -196,7 +196,7 @@ def varlen_attention(
     if (num_splits is None and not tracing_launches()
             and gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                                    window_right, softcap, alibi_slopes, scale_softcap)
-            and gluon_prefill.aligned(q, k, v, out)):
+            and gluon_prefill.launch_problem(q, k, v, out) is None):
         return gluon_prefill.varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_right, out=out)
     if num_splits is None and prefill_kernel_takes(q, k, v, lambda_full, alibi_slopes):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..attention import default_scale, output_buffer
 from .launch_utils import device_guard, multiprocessor_count
+from .prefill import is_hopper
 
 LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30  # a distance no sequence reaches (as attention.visibility_bounds)
@@ -51,7 +52,8 @@ TILES = GluonTiles(overlap=True, pingpong=True)
 
 @functools.cache
 def gluon_available() -> bool:
-    """Whether this Triton has Gluon's Hopper API with warp specialization (Triton 3.5+)."""
+    """Whether this Triton has Gluon's Hopper API with warp specialization (Triton 3.6, the
+    H200's, and 3.9, CI's, have it)."""
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma  # noqa: F401
@@ -60,16 +62,11 @@ def gluon_available() -> bool:
     return hasattr(gl, "warp_specialize")
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
-
-
 def _dense_rows(tensor: Tensor) -> bool:
     """Whether ``tensor``'s last two dims ``[H, D]`` are dense and its rows (every dim
     before them) one 16-byte multiple apart: what a TMA descriptor over its ``[rows, H * D]``
-    view reads (from a 16-byte-aligned start: :func:`aligned`). Strides only (fake tensors
-    too)."""
+    view reads (from a 16-byte-aligned start: :func:`launch_problem`). Strides only (fake
+    tensors too)."""
     size = tensor.shape[-1]
     if tensor.stride(-1) != 1 or tensor.stride(-2) != size:
         return False
@@ -79,16 +76,26 @@ def _dense_rows(tensor: Tensor) -> bool:
     return (tensor.stride(-3) * tensor.element_size()) % 16 == 0
 
 
-def aligned(*tensors: Tensor | None) -> bool:
-    """Whether every given tensor starts at a 16-byte-aligned address (a TMA descriptor's
-    base; the launch-time half of what :func:`covers` checks on strides)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None) -> str | None:
+    """What keeps the kernel from reading these tensors, or ``None``: fp16/bf16 of one dtype,
+    head size 64 or 128, every tensor's heads and dims dense with 16-byte-aligned rows
+    (:func:`_dense_rows`) and start address (TMA descriptors), ``out`` (if given) likewise.
+    The launch-time check (addresses); :func:`covers` checks the rest on shapes alone."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k and v must share float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] not in HEAD_SIZES or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return f"q, k and v must share a head size in {HEAD_SIZES}, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if tensor is not None and not (_dense_rows(tensor) and tensor.data_ptr() % 16 == 0):
+            return (f"{name} must have dense heads and dims and 16-byte-aligned rows and address (a TMA "
+                    f"descriptor reads it), got strides {tensor.stride()} at address {tensor.data_ptr()}")
+    return None
 
 
 def _takes_options(q: Tensor, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap) -> bool:
     return (lambda_full is None and alibi_slopes is None and scale_softcap is None and softcap <= 0
             and window_left < 0 and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in HEAD_SIZES and q.is_cuda and _sm90(q.get_device()) and gluon_available())
+            and q.shape[-1] in HEAD_SIZES and q.is_cuda and is_hopper(q.get_device()) and gluon_available())
 
 
 def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: float | None, window_left: int,
@@ -96,10 +103,10 @@ def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: f
     """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain (no
     ``lambda_full``), no softcap, no left window, no ALiBi, a positive scale; fp16/bf16 q, k
     and v of one dtype, head size 64 or 128; q, k and v TMA-readable by their strides
-    (:func:`_dense_rows`; their addresses: :func:`aligned`, at launch); an sm90 GPU with
-    Gluon. Shapes, strides and dtypes only (the ``opaque`` predicate of the traced op)."""
+    (:func:`_dense_rows`; their addresses: :func:`launch_problem`, at launch); an sm90 GPU
+    with Gluon. Shapes, strides and dtypes only (the ``opaque`` predicate of the traced op)."""
     return (_takes_options(q, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
-            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1] == v.shape[-1]
             and all(_dense_rows(t) for t in (q, k, v)))
 
 
@@ -108,12 +115,13 @@ def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, lambda_f
                  scale_softcap: Tensor | None) -> bool:
     """Whether :func:`paged_prefill` serves this ``paged_attention`` call: what
     :func:`covers` takes, over caches ``[num_blocks, block_size, Hkv, D]`` of the query's
-    dtype (no float8 cache) with a power-of-two ``block_size >= 8``. Which calls are
-    prefill-heavy enough to want it is the caller's choice."""
+    dtype (no float8 cache) with a power-of-two ``block_size >= 16`` (one TMA box a block;
+    16 to 256 run on the H200). Which calls are prefill-heavy enough to want it is the
+    caller's choice."""
     block_size = key_cache.shape[1]
-    return (covers(query, key_cache, value_cache, lambda_full, scale, window_left, softcap, alibi_slopes,
-                   scale_softcap)
-            and key_cache.dim() == 4 and block_size >= 8 and block_size & (block_size - 1) == 0)
+    return (key_cache.dim() == 4 and block_size >= 16 and block_size & (block_size - 1) == 0
+            and covers(query, key_cache, value_cache, lambda_full, scale, window_left, softcap, alibi_slopes,
+                       scale_softcap))
 
 
 def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -130,6 +138,9 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
     """
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, scale, causal, window_right, out, tiles)
 
@@ -159,6 +170,8 @@ def _descriptor(tensor: Tensor, rows: int, box_rows: int):
 def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, scale, causal, window_right, out, tiles) -> Tensor:
     """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
     ``None``, else paged caches)."""
+    if (problem := launch_problem(q, k, v, out)) is not None:
+        raise ValueError(problem)
     out = output_buffer(q, False, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
