@@ -443,13 +443,15 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
 
 
 def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
-    """The warp-specialized Gluon prefill kernel (``gluon_prefill``), plain causal, at its
-    default tiles and each of :data:`GLUON_SWEEP`: against flash-attn 4 called directly (where
-    ``flash_attn.cute`` imports), our Triton Hopper kernel at its default tiles and SDPA cuDNN
-    (B=8 S=2048 only), on the two varlen batches; paged (``batch`` sequences of ``chunk`` new
-    tokens after ``prefix`` cached, block 16) against the same kernel over the same keys
-    contiguous (issue 12: <= 1.1) and flash-attn 4's paged call. Every row timed by
-    :func:`_queued_ms`; plus the largest difference from the Triton Hopper kernel."""
+    """The warp-specialized Gluon prefill kernel (``gluon_prefill``), causal, on the two
+    varlen batches: plain at its default tiles and each of :data:`GLUON_SWEEP` against
+    flash-attn 4 called directly (where ``flash_attn.cute`` imports), our Triton Hopper
+    kernel at its default tiles and SDPA cuDNN (B=8 S=2048 only); fused differential against
+    the Hopper kernel's sequential schedule and flash-attn 4's two calls with no combine.
+    Paged (``batch`` sequences of ``chunk`` new tokens after ``prefix`` cached, block 16),
+    plain and differential, against the same kernel over the same keys contiguous (issue 12:
+    <= 1.1) and flash-attn 4's paged call. Every row timed by :func:`_queued_ms`; plus the
+    largest difference from the Triton Hopper kernel."""
     from compiled_attn.ops import flash_backend
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
@@ -481,6 +483,26 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
                 rows.append(ResultRow(f"prefill {case} plain: gluon TFLOP/s", "TFLOP/s",
                                       causal_flops(lens, False) / ms / 1e9, "flash-attn 4 TFLOP/s",
                                       causal_flops(lens, False) / (flash or float("inf")) / 1e9))
+        # differential: the two components on the two consumers, against our Hopper kernel's sequential schedule
+        # (the op's route today) and flash-attn 4's two calls with no combine (the issue's fastest unfused anchor)
+        lam = torch.rand(HQ // 2, device="cuda")
+        diff = (gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam).float() - varlen_prefill(q, k, v, cu, cu, lam).float())
+        rows.append(ResultRow(f"prefill {case} differential: gluon max |diff| vs hopper", "abs", diff.abs().max().item(),
+                              "bf16 tolerance", 0.02, "<= 1.0"))
+        gluon_diff = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam))
+        rows.append(ResultRow(f"prefill {case} differential: our hopper kernel (sequential) / gluon fused", "ms",
+                              _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam)), "gluon ms", gluon_diff))
+        rows.append(ResultRow(f"prefill {case} differential: gluon fused TFLOP/s", "TFLOP/s",
+                              causal_flops(lens, True) / gluon_diff / 1e9, "plain gluon TFLOP/s",
+                              causal_flops(lens, False) / _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu,
+                                                                                                          cu)) / 1e9))
+        if fa4:
+            values = v.reshape(v.shape[0], HKV // 2, 2 * D)
+            two_kernels = _queued_ms(lambda: (fa4(q[:, 0::2], k[:, 0::2], values, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  causal=True), fa4(q[:, 1::2], k[:, 1::2], values, cu_seqlens_q=cu,
+                                                                    cu_seqlens_k=cu, causal=True)))
+            rows.append(ResultRow(f"prefill {case} differential: gluon fused / flash-attn 4 two calls, kernels only",
+                                  "ms", gluon_diff, "flash-attn 4 ms", two_kernels, "<= 1.0"))
         if case == "B=8 S=2048":
             q4, k4, v4 = (t.view(len(lens), lens[0], -1, D).transpose(1, 2) for t in (q, k, v))
             k4, v4 = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k4, v4))
@@ -505,6 +527,10 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
     paged = _queued_ms(lambda: gluon_prefill.paged_prefill(*args))
     rows.append(ResultRow(f"{case}: gluon paged / gluon contiguous", "ms", paged, "gluon contiguous ms",
                           _queued_ms(lambda: gluon_prefill.varlen_prefill(query, k, v, cu_q, cu_k)), "<= 1.1"))
+    lam = torch.rand(HQ // 2, device="cuda")
+    rows.append(ResultRow(f"{case}, differential: gluon paged / gluon contiguous", "ms",
+                          _queued_ms(lambda: gluon_prefill.paged_prefill(*args, lam)), "gluon contiguous ms",
+                          _queued_ms(lambda: gluon_prefill.varlen_prefill(query, k, v, cu_q, cu_k, lam)), "<= 1.1"))
     if fa4:
         rows.append(ResultRow(f"{case}: flash-attn 4 / gluon paged", "ms",
                               _queued_ms(lambda: fa4(query, key_cache, value_cache, cu_seqlens_q=cu_q,

@@ -103,8 +103,8 @@ def backward_launches() -> list[tuple[str, object, dict, dict]]:
 def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     """``(case, kernel, arguments by name, options)`` of the Gluon prefill kernel
     (``gluon_prefill``) at its tiles, bf16 causal, Hq 32, Hkv 8, on 132 multiprocessors:
-    contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64 over
-    blocks of 16."""
+    plain contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64
+    over blocks of 16; differential contiguous at D 64 and 128 and paged at D 128 (block 16)."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
 
@@ -129,6 +129,16 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
             cache = torch.randn(4096 // block_size, block_size, 8, head_size, generator=g).to(torch.bfloat16)
             table = torch.arange(cache.shape[0], dtype=torch.int32).view(2, -1)
             gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([1124, 1380], dtype=torch.int32), table)
+        lam = torch.full((16,), 0.5)
+        for head_size in (64, 128):
+            case[0] = f"differential contiguous d{head_size}"
+            q = torch.randn(356, 32, head_size, generator=g).to(torch.bfloat16)
+            kv = torch.randn(356, 8, head_size, generator=g).to(torch.bfloat16)
+            gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, lam)
+        case[0] = "differential paged b16 d128"
+        cache = torch.randn(256, 16, 8, 128, generator=g).to(torch.bfloat16)
+        table = torch.arange(256, dtype=torch.int32).view(2, -1)
+        gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([1124, 1380], dtype=torch.int32), table, lam)
     return launches
 
 

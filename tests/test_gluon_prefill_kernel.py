@@ -25,8 +25,9 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
 
 from oracle import assert_close_to_oracle, oracle_paged, oracle_varlen  # noqa: E402
-from paged_batches import make_paged_batch, make_varlen_batch, pad  # noqa: E402
+from paged_batches import make_lambda, make_paged_batch, make_varlen_batch, pad  # noqa: E402
 
+from compiled_attn.ops.attention import output_shape  # noqa: E402
 from compiled_attn.ops.triton_kernels import gluon_prefill  # noqa: E402
 
 ON_SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -42,35 +43,40 @@ SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.Glu
 
 
 def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
-               causal=True, window_right=-1, scale=None, seed=0, tiles=gluon_prefill.TILES):
-    """Kernel vs oracle; NaN-poisoned output and NaN K/V rows past the last sequence."""
+               causal=True, window_right=-1, scale=None, seed=0, tiles=None, lam=None):
+    """Kernel vs oracle (differential with ``lam``); NaN-poisoned output and NaN K/V rows past
+    the last sequence."""
     batch = make_varlen_batch(q_lens, k_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                               dtype=dtype, seed=seed)
     q, k, v, cu_q, cu_k = batch.attention_args()
     nan = torch.full((130, num_kv_heads, head_size), float("nan"), dtype=dtype)  # a whole key tile past the end
     k_dev, v_dev = torch.cat([k, nan]).cuda(), torch.cat([v, nan]).cuda()
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    assert gluon_prefill.covers(q.cuda(), k_dev, v_dev, None, scale, -1, 0.0, None, None)
-    got = gluon_prefill.varlen_prefill(q.cuda(), k_dev, v_dev, cu_q.cuda(), cu_k.cuda(), scale, causal, window_right,
-                                       out=out, tiles=tiles)
+    out = torch.full(output_shape(q, lam is not None), float("nan"), dtype=dtype, device="cuda")
+    lam_dev = None if lam is None else lam.cuda()
+    assert gluon_prefill.covers(q.cuda(), k_dev, v_dev, lam_dev, scale, -1, 0.0, None, None)
+    got = gluon_prefill.varlen_prefill(q.cuda(), k_dev, v_dev, cu_q.cuda(), cu_k.cuda(), lam_dev, scale=scale,
+                                       causal=causal, window_right=window_right, out=out, tiles=tiles)
     assert got is out
-    expected = oracle_varlen(q, k, v, cu_q, cu_k, scale=scale, causal=causal, window=(-1, window_right))
+    expected = oracle_varlen(q, k, v, cu_q, cu_k, scale=scale, causal=causal, window=(-1, window_right),
+                             lambda_full=lam)
     assert_close_to_oracle(out, expected)
     if batch.empty_rows:
         assert bool((out[batch.empty_rows] == 0).all()), "rows with no key must be exact zeros"
 
 
 def run_paged(seqs, *, block_size=16, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, causal=True,
-              seed=0, tiles=gluon_prefill.TILES):
-    """Kernel vs oracle on a fresh paged batch: NaN in unowned cache slots, NaN-poisoned output."""
+              seed=0, tiles=None, lam=None):
+    """Kernel vs oracle on a fresh paged batch (differential with ``lam``): NaN in unowned
+    cache slots, NaN-poisoned output."""
     batch = make_paged_batch(seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype, seed=seed, unused_fill="nan")
     args = [t.cuda() for t in batch.attention_args()]
-    out = torch.full(batch.query.shape, float("nan"), dtype=dtype, device="cuda")
-    assert gluon_prefill.covers_paged(args[0], args[1], args[2], None, None, -1, 0.0, None, None)
-    got = gluon_prefill.paged_prefill(*args, causal=causal, out=out, tiles=tiles)
+    out = torch.full(output_shape(batch.query, lam is not None), float("nan"), dtype=dtype, device="cuda")
+    lam_dev = None if lam is None else lam.cuda()
+    assert gluon_prefill.covers_paged(args[0], args[1], args[2], lam_dev, None, -1, 0.0, None, None)
+    got = gluon_prefill.paged_prefill(*args, lam_dev, causal=causal, out=out, tiles=tiles)
     assert got is out
-    assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal))
+    assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal, lambda_full=lam))
     if batch.pad_rows:
         assert bool((out[batch.pad_rows] == 0).all()), "padded rows (no key) must be exact zeros"
 
@@ -106,6 +112,26 @@ def test_schedules(schedule):
     run_varlen(q_lens, [q + int(torch.randint(0, 150, (), generator=g)) for q in q_lens], num_heads=16,
                num_kv_heads=4, tiles=tiles, seed=5)
     run_paged([(0, 130), (1000, 300), (17, 1), (256, 128), (5, 200), pad(3), (33, 64)], tiles=tiles, seed=6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("per_pair", [True, False], ids=["lambda-per-pair", "lambda-scalar"])
+def test_differential(head_size, per_pair):
+    """The fused differential schedule (components on the two consumers, ``o_2`` handed over
+    in shared memory): causal varlen at the real tiles, GQA 4 (4 pairs on one KV pair), fp16,
+    non-causal over whole key tiles, and paged blocks of 16 and 64."""
+    lam = make_lambda(8, per_pair=per_pair, seed=head_size)
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=head_size + per_pair)
+    run_varlen([257, 64], [300, 64], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.float16, lam=lam,
+               seed=3)
+    run_varlen([128, 256, 1000], [128, 256, 1024], causal=False, head_size=head_size, lam=lam, seed=4)
+    for block_size in (16, 64):
+        run_paged([(0, 130), (1000, 300), (17, 1), (5, 200), pad(3), (33, 64)], block_size=block_size,
+                  head_size=head_size, lam=lam, seed=block_size)
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5,
+               tiles=gluon_prefill.DIFFERENTIAL_TILES[head_size]._replace(overlap=False, pingpong=False))
 
 
 @gpu
@@ -183,21 +209,22 @@ def test_covers():
 
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
 def test_compiles_for_sm90():
-    """The kernel lowers to a cubin for sm90 (contiguous and paged at blocks 16/64/256, D 64
-    and 128) within 227 KiB of shared memory, its wgmma not serialized by ptxas and the
-    consumers without register spills (``tests/compile_sm90.py gluon``, no GPU needed)."""
+    """The kernel lowers to a cubin for sm90 (plain contiguous and paged at blocks 16/64/256,
+    D 64 and 128; differential contiguous and paged) within 227 KiB of shared memory, its
+    wgmma not serialized by ptxas and without register spills (``tests/compile_sm90.py
+    gluon``, no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
     done = subprocess.run([sys.executable, str(script), "gluon"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 9
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
-        # the producer runs at 24 registers: gathering a paged tile's block ids may spill there
-        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 64, row
+        # (Triton 3.9, CI's, spills 8 / 24 bytes in the differential D 128 consumer; 3.6, the H200's, none)
+        assert row["spill_stores"] <= 32 and row["spill_loads"] <= 32, row
 
 
 def _count_calls(monkeypatch, name: str) -> list:

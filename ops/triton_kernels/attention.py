@@ -79,13 +79,20 @@ benchmark can flip it. Under ``torch.compile`` the calls it takes stay opaque (a
 cannot be traced into Inductor's code: ``ops/backends.py``)."""
 
 
+GLUON_DIFFERENTIAL = False
+"""Whether differential calls the Gluon kernel covers run there too (its fused schedule: the
+two components on its two consumer warpgroups). Off: written 2026-12-02, not yet run on a GPU;
+the Hopper prefill kernel's sequential schedule serves them."""
+
+
 def gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
                        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, scale_softcap=None) -> bool:
     """Whether :func:`varlen_attention` (with no forced split count) runs these schema
-    arguments on the Gluon kernel: :data:`GLUON_PREFILL` and :func:`.gluon_prefill.covers`
-    (shapes, strides, dtypes and options only: the ``opaque`` predicate of the traced op)."""
-    return GLUON_PREFILL and gluon_prefill.covers(q, k, v, lambda_full, scale, window_left, softcap, alibi_slopes,
-                                                   scale_softcap)
+    arguments on the Gluon kernel: :data:`GLUON_PREFILL` (differential: and
+    :data:`GLUON_DIFFERENTIAL`) and :func:`.gluon_prefill.covers` (shapes, strides, dtypes
+    and options only: the ``opaque`` predicate of the traced op)."""
+    return (GLUON_PREFILL and (lambda_full is None or GLUON_DIFFERENTIAL)
+            and gluon_prefill.covers(q, k, v, lambda_full, scale, window_left, softcap, alibi_slopes, scale_softcap))
 
 
 def gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full=None,
@@ -98,7 +105,8 @@ def gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, blo
     of mostly decode rows stays on the unified kernel, which packs a GQA group's rows into one
     tile. Shapes only."""
     tile_m = 2 * gluon_prefill.TILES.block_m
-    return (GLUON_PREFILL and query.shape[0] >= tile_m * max(seq_lens.shape[0], 1)
+    return (GLUON_PREFILL and (lambda_full is None or GLUON_DIFFERENTIAL)
+            and query.shape[0] >= tile_m * max(seq_lens.shape[0], 1)
             and gluon_prefill.covers_paged(query, key_cache, value_cache, lambda_full, scale, window_left, softcap,
                                            alibi_slopes, scale_softcap))
 
@@ -169,9 +177,9 @@ def paged_attention(
     if (num_splits is None and tiles is None and not tracing_launches()
             and gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
                                   scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
-            and gluon_prefill.launch_problem(query, key_cache, value_cache, out) is None):
-        return gluon_prefill.paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                                           causal, window_right, out=out)
+            and gluon_prefill.launch_problem(query, key_cache, value_cache, out, lambda_full is not None) is None):
+        return gluon_prefill.paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
+                                           lambda_full, scale, causal, window_right, out=out)
     if (PAGED_PREFILL_KERNEL == "hopper" and num_splits is None and tiles is None and query.is_cuda
             and paged_prefill_covers(query, key_cache, value_cache, seq_lens.shape[0], lambda_full, alibi_slopes)):
         return paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
@@ -196,8 +204,9 @@ def varlen_attention(
     if (num_splits is None and not tracing_launches()
             and gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                                    window_right, softcap, alibi_slopes, scale_softcap)
-            and gluon_prefill.launch_problem(q, k, v, out) is None):
-        return gluon_prefill.varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_right, out=out)
+            and gluon_prefill.launch_problem(q, k, v, out, lambda_full is not None) is None):
+        return gluon_prefill.varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
+                                            window_right, out=out)
     if num_splits is None and prefill_kernel_takes(q, k, v, lambda_full, alibi_slopes):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                               window_right, softcap, None, scale_softcap, out=out)

@@ -2,9 +2,9 @@
 which calls it serves (:func:`covers`, :func:`covers_paged`) and its launchers
 (:func:`varlen_prefill`, :func:`paged_prefill`).
 
-The kernel serves plain causal (or right-windowed) prefill of fp16/bf16 at head sizes 64
-and 128 on an NVIDIA sm90 GPU, contiguous K/V or a paged cache; everything else (softcap,
-left windows, ALiBi, differential pairs, float8 caches, other head sizes) stays with
+The kernel serves causal (or right-windowed) prefill of fp16/bf16 at head sizes 64 and 128
+on an NVIDIA sm90 GPU, plain or fused differential, contiguous K/V or a paged cache;
+everything else (softcap, left windows, ALiBi, float8 caches, other head sizes) stays with
 :mod:`.prefill`. Its TMA descriptors are built on the host over the whole tensors (no
 device-side descriptor, no global scratch); a Gluon kernel cannot be traced into Inductor's
 code, so under ``torch.compile`` the calls it takes stay opaque (``ops/backends.py``).
@@ -48,6 +48,11 @@ class GluonTiles(NamedTuple):
 # 0.622 / 7.58 with neither, 0.640 / 7.69 overlap only, 0.628 / 7.76 pingpong only; 64x64 s3 with
 # both 0.641 / 7.93.
 TILES = GluonTiles(overlap=True, pingpong=True)
+# Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
+# D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64.
+# Not yet run on a GPU.
+DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True),
+                      128: GluonTiles(64, 64, 2, overlap=True, pingpong=True)}
 
 
 @functools.cache
@@ -76,11 +81,14 @@ def _dense_rows(tensor: Tensor) -> bool:
     return (tensor.stride(-3) * tensor.element_size()) % 16 == 0
 
 
-def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None) -> str | None:
+def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differential: bool = False) -> str | None:
     """What keeps the kernel from reading these tensors, or ``None``: fp16/bf16 of one dtype,
-    head size 64 or 128, every tensor's heads and dims dense with 16-byte-aligned rows
-    (:func:`_dense_rows`) and start address (TMA descriptors), ``out`` (if given) likewise.
-    The launch-time check (addresses); :func:`covers` checks the rest on shapes alone."""
+    head size 64 or 128, even head counts when ``differential``, every tensor's heads and dims
+    dense with 16-byte-aligned rows (:func:`_dense_rows`) and start address (TMA
+    descriptors), ``out`` (if given) likewise. The launch-time check (addresses);
+    :func:`covers` checks the rest on shapes alone."""
+    if differential and (q.shape[-2] % 2 or k.shape[-2] % 2):
+        return f"differential heads come in pairs: q and k need even head counts, got {q.shape[-2]}, {k.shape[-2]}"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k and v must share float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[-1] not in HEAD_SIZES or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
@@ -92,20 +100,24 @@ def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None) -> str |
     return None
 
 
-def _takes_options(q: Tensor, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap) -> bool:
-    return (lambda_full is None and alibi_slopes is None and scale_softcap is None and softcap <= 0
-            and window_left < 0 and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in HEAD_SIZES and q.is_cuda and is_hopper(q.get_device()) and gluon_available())
+def _takes_options(q: Tensor, k: Tensor, lambda_full, alibi_slopes, scale, window_left, softcap,
+                   scale_softcap) -> bool:
+    differential = lambda_full is not None
+    return (alibi_slopes is None and scale_softcap is None and softcap <= 0 and window_left < 0
+            and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in HEAD_SIZES and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
+            and q.is_cuda and is_hopper(q.get_device()) and gluon_available())
 
 
 def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: float | None, window_left: int,
            softcap: float, alibi_slopes: Tensor | None, scale_softcap: Tensor | None) -> bool:
-    """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain (no
-    ``lambda_full``), no softcap, no left window, no ALiBi, a positive scale; fp16/bf16 q, k
-    and v of one dtype, head size 64 or 128; q, k and v TMA-readable by their strides
-    (:func:`_dense_rows`; their addresses: :func:`launch_problem`, at launch); an sm90 GPU
-    with Gluon. Shapes, strides and dtypes only (the ``opaque`` predicate of the traced op)."""
-    return (_takes_options(q, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
+    """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain, or
+    differential (``lambda_full``; even head counts: interleaved pairs), no softcap, no left
+    window, no ALiBi, a positive scale; fp16/bf16 q, k and v of one dtype, head size 64 or
+    128; q, k and v TMA-readable by their strides (:func:`_dense_rows`; their addresses:
+    :func:`launch_problem`, at launch); an sm90 GPU with Gluon. Shapes, strides and dtypes
+    only (the ``opaque`` predicate of the traced op)."""
+    return (_takes_options(q, k, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
             and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1] == v.shape[-1]
             and all(_dense_rows(t) for t in (q, k, v)))
 
@@ -125,16 +137,20 @@ def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, lambda_f
 
 
 def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                   scale: float | None = None, causal: bool = True, window_right: int = -1, *,
-                   out: Tensor | None = None, tiles: GluonTiles = TILES) -> Tensor:
-    """``flash_attn_varlen_func`` semantics (plain, bottom-right causal or a right window)
-    through :func:`.gluon_prefill_kernel.gluon_prefill_kernel`.
+                   lambda_full: Tensor | None = None, scale: float | None = None, causal: bool = True,
+                   window_right: int = -1, *, out: Tensor | None = None, tiles: GluonTiles | None = None) -> Tensor:
+    """``flash_attn_varlen_func`` semantics (bottom-right causal or a right window), plain or
+    fused differential, through :func:`.gluon_prefill_kernel.gluon_prefill_kernel`.
 
     Args:
-        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16, D 64 or 128, :func:`covers`).
+        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16, D 64 or 128, :func:`covers`;
+            differential: heads ``2j``, ``2j + 1`` are pair ``j``).
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32.
+        lambda_full: ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
         scale: softmax scale, default ``D ** -0.5``; causal, window_right: visibility.
-        out: optional ``[Tq, Hq, D]`` buffer (q's dtype, heads and dims dense).
+        out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer, q's dtype,
+            heads and dims dense.
+        tiles: default :data:`TILES` (plain) or :data:`DIFFERENTIAL_TILES`.
 
     Returns:
         ``out``.
@@ -142,43 +158,49 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
     Raises:
         ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
     """
-    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, scale, causal, window_right, out, tiles)
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
 
 def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-                  block_table: Tensor, scale: float | None = None, causal: bool = True, window_right: int = -1, *,
-                  out: Tensor | None = None, tiles: GluonTiles = TILES) -> Tensor:
+                  block_table: Tensor, lambda_full: Tensor | None = None, scale: float | None = None,
+                  causal: bool = True, window_right: int = -1, *, out: Tensor | None = None,
+                  tiles: GluonTiles | None = None) -> Tensor:
     """``paged_attention`` prefill (chunked prefill, prefix hits) through the Gluon kernel:
     keys from caches ``[num_blocks, block_size, Hkv, D]`` through ``block_table`` ``[B,
     max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its new tokens included;
     causal bottom-right aligned). Other arguments as :func:`varlen_prefill`."""
-    return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, causal, window_right,
-                   out, tiles)
+    return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
+                   window_right, out, tiles)
 
 
-def _descriptor(tensor: Tensor, rows: int, box_rows: int):
-    """A TMA descriptor over ``tensor`` viewed as ``[rows, H * D]``, box ``[box_rows, D]``."""
+def _descriptor(tensor: Tensor, rows: int, box_rows: int, box_heads: int = 1):
+    """A TMA descriptor over ``tensor`` viewed as ``[rows, H * D]``, box ``[box_rows,
+    box_heads * D]``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     heads, size = tensor.shape[-2:]
     dtype = gl.bfloat16 if tensor.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([box_rows, size], dtype)
-    return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], [box_rows, size], layout)
+    box = [box_rows, box_heads * size]
+    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+    return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], box, layout)
 
 
-def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, scale, causal, window_right, out, tiles) -> Tensor:
+def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
+            tiles) -> Tensor:
     """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
-    ``None``, else paged caches)."""
-    if (problem := launch_problem(q, k, v, out)) is not None:
+    ``None``, else paged caches; differential when ``lambda_full`` is given)."""
+    differential = lambda_full is not None
+    if (problem := launch_problem(q, k, v, out, differential)) is not None:
         raise ValueError(problem)
-    out = output_buffer(q, False, out)
+    out = output_buffer(q, differential, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
         return out
+    tiles = tiles or (DIFFERENTIAL_TILES[head_size] if differential else TILES)
     paged = block_table is not None
     num_seqs = cu_seqlens_q.shape[0] - 1
-    tile_m = 2 * tiles.block_m
+    tile_m = tiles.block_m if differential else 2 * tiles.block_m
     num_q_tiles = num_tokens // tile_m + num_seqs
     if paged:
         num_blocks, block_size = k.shape[:2]
@@ -191,13 +213,16 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, scale, causal, window_r
         block_table = cu_seqlens_q  # placeholder (never read)
     min_dist = 0 if causal else (-window_right if window_right >= 0 else -UNBOUNDED)
     qk_scale = default_scale(scale, head_size) * LOG2E
-    args = (out, _descriptor(q, num_tokens, tile_m), _descriptor(k, kv_rows, box), _descriptor(v, kv_rows, box), v,
-            cu_seqlens_q, kv_lens, block_table, num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0),
-            stride_vb, stride_vt, stride_bt)
+    args = (out, _descriptor(q, num_tokens, tile_m), _descriptor(k, kv_rows, box),
+            _descriptor(v, kv_rows, box, 1 + differential), v, cu_seqlens_q, kv_lens, block_table,
+            q if lambda_full is None else lambda_full.contiguous(),  # (plain: a placeholder, never read)
+            num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0), stride_vb, stride_vt, stride_bt)
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
-                      OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong)
-    grid = (min(num_heads * num_q_tiles, multiprocessor_count(q.device)),)
+                      OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, DIFFERENTIAL=differential,
+                      LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1)
+    units = num_heads // 2 if differential else num_heads
+    grid = (min(units * num_q_tiles, multiprocessor_count(q.device)),)
     with device_guard(q):
         _run(grid, args, constexprs)
     return out

@@ -9,16 +9,24 @@ softmax runs. Here each program holds three partitions:
 * a **producer** (the default partition, one warpgroup: TMA copies are issued by one
   thread) that streams a query tile and its key/value tiles into shared memory through
   TMA, ``STAGES`` key/value buffers deep, each buffer's arrival signalled on an mbarrier;
-* two **consumers** (one warpgroup each, 240 registers a thread), consumer ``c`` owning
-  query rows ``[c * BLOCK_M, (c + 1) * BLOCK_M)`` of the ``2 * BLOCK_M``-row tile: per key
-  tile ``s = q kᵀ`` (wgmma from shared memory), the online softmax in registers, ``o += p v``
-  (wgmma, ``p`` from registers), then the key/value buffer is released. While one consumer
-  runs its softmax, the other's wgmma keeps the tensor cores busy (FlashAttention-3's
-  ping-pong, left to the warp schedulers).
+* two **consumers** (one warpgroup each, 240 registers a thread). Plain: consumer ``c``
+  owns query rows ``[c * BLOCK_M, (c + 1) * BLOCK_M)`` of the ``2 * BLOCK_M``-row tile.
+  Per key tile: ``s = q kᵀ`` (wgmma from shared memory), the online softmax in registers,
+  ``o += p v`` (wgmma, ``p`` from registers), then the key and value buffers are released.
+  ``PINGPONG``: the consumers issue their wgmma in turns, so one's softmax runs under the
+  other's matrix work (FlashAttention-3's inter-warpgroup schedule, §3.1); ``OVERLAP``: a
+  consumer issues the next tile's scores before this tile's ``p v`` and runs the softmax
+  under it (the intra-warpgroup schedule, §3.2). ``DIFFERENTIAL``: both consumers take the
+  same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
+  (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
+  ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6 head-size GEMM units a tile, as the
+  differential transformer's two softmaxes need); consumer 1 hands its normalized result
+  to consumer 0 through shared memory, which writes ``o_1 - lambda * o_2``.
 
 The program is **persistent**: ``min(work tiles, multiprocessors)`` programs walk the work
 tiles ``pid, pid + programs, ...``, a tile being one query head and ``2 * BLOCK_M`` query
-tokens of one sequence, units (heads) fastest and query tiles reversed, so the heaviest
+tokens of one sequence (differential: one head pair and ``BLOCK_M`` tokens), units (heads or
+pairs) fastest and query tiles reversed, so the heaviest
 (causal: last) tiles start first (:func:`_locate`; the varlen bound and binary search of
 :mod:`.prefill_kernel`). The producer loads the next tile's queries while the consumers
 finish the current one (two query buffers).
@@ -26,12 +34,14 @@ finish the current one (two query buffers).
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
     q        [Tq, Hq, D]   through q_desc, a TMA descriptor over [Tq, Hq * D], box [2 BLOCK_M, D]
+                           (differential: [BLOCK_M, D], heads 2j and 2j + 1 = pair j)
     k, v     contiguous:   [Tk, Hkv, D] through descriptors over [Tk, Hkv * D], box [BLOCK_N, D]
              PAGED:        caches [num_blocks, BLOCK_SIZE, Hkv, D] through descriptors over
                            [num_blocks * BLOCK_SIZE, Hkv * D], box [min(BLOCK_SIZE, BLOCK_N), D]
+             (differential: v's box 2D wide, [v1 | v2] of a KV pair)
     cu_seqlens_q [B + 1] int32; kv_lens: cu_seqlens_k [B + 1] (contiguous) or seq_lens [B] (PAGED)
-    block_table  [B, max_blocks] int32 (PAGED)
-    out      [Tq, Hq, D], q's dtype, heads and dims dense
+    block_table  [B, max_blocks] int32 (PAGED); lambda_full [] or [Hq / 2] (differential)
+    out      [Tq, Hq, D] (differential [Tq, Hq / 2, 2D]), q's dtype, heads and dims dense
 
 Key tiles of a query tile run from the diagonal down (FlashAttention-3's order): the tiles
 some row of a consumer cannot see whole (the diagonal band, the last partial tile) are
@@ -46,9 +56,11 @@ Math: the online softmax of FlashAttention-2 (Dao 2023, arXiv 2307.08691, algori
 base 2, the row max over unscaled scores and ``scale * log2(e)`` in the exponent's FMA
 (``qk_scale > 0``); masks as ``flash_attn_varlen_func`` (bottom-right aligned: query ``i``
 sits at key position ``p = i + k_len - q_len`` and sees key ``j`` when ``p - j >= min_dist``:
-causal 0, else ``-window_right`` or unbounded); rows that see no key are zeros. No softcap,
-no left window, no ALiBi, plain attention only: :mod:`.gluon_prefill` routes the rest to
-:mod:`.prefill_kernel`.
+causal 0, else ``-window_right`` or unbounded); rows that see no key are zeros.
+Differential: Ye et al. 2024 (Differential Transformer, arXiv 2410.05258, §2.1, eq. 1), the
+output before the per-head RMSNorm as the unified kernel writes it (``o_2`` rounded to the
+output dtype once on its way to consumer 0). No softcap, no left window, no ALiBi:
+:mod:`.gluon_prefill` routes the rest to :mod:`.prefill_kernel`.
 """
 
 from __future__ import annotations
@@ -60,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; 3.9 async_load
 _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
-CONSUMER_REGISTERS = gl.constexpr(240)  # a consumer thread's registers (FlashAttention-3's); the producer keeps the rest (32)
+CONSUMER_REGISTERS = gl.constexpr(232)  # a consumer thread's registers (FlashAttention-3's); the producer keeps the rest (32)
 
 
 @gluon.constexpr_function
@@ -71,19 +83,22 @@ def _mma_layout(cols):
 
 
 @gluon.constexpr_function
-def _gather_layout(head_size):
-    """Rows of ``head_size`` 16-bit values over one warpgroup, 16 bytes a thread."""
-    cols = head_size // 8
-    return gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0])
+def _gather_layout(cols):
+    """Rows of ``cols`` 16-bit values over one warpgroup, 16 bytes a thread and at least 8
+    rows a pass (a 128-byte swizzle's period: :func:`_gather_values` stores whole periods;
+    ``cols`` 64 to 256)."""
+    per_row = cols // 8  # threads a row
+    rows = 4 * 32 // per_row
+    return gl.BlockedLayout([max(1, 8 // rows), 8], [32 // per_row, per_row], [4, 1], [1, 0])
 
 
 @gluon.jit
 def _locate(tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS: gl.constexpr,
             TILE_M: gl.constexpr, PAGED: gl.constexpr):
     """``(unit, seq, q_start, q_len, q_first, kv_start, kv_len)`` of work tile ``tile``:
-    unit (query head) ``tile % UNITS``; query tile ``num_q_tiles - 1 - tile // UNITS`` of the
-    varlen bound, which sequence ``seq`` owns from ``cu_seqlens_q[seq] // TILE_M + seq`` on
-    (found by binary search); its first query row ``q_first`` (``>= q_len``: an empty tile)."""
+    unit (query head or pair) ``tile % UNITS``; query tile ``num_q_tiles - 1 - tile // UNITS``
+    of the varlen bound, which sequence ``seq`` owns from ``cu_seqlens_q[seq] // TILE_M + seq``
+    on (found by binary search); its first query row ``q_first`` (``>= q_len``: an empty tile)."""
     unit = tile % UNITS
     q_tile = num_q_tiles - 1 - tile // UNITS
     seq = 0
@@ -117,14 +132,24 @@ def _visible_end(first_row, last_row, q_len, kv_len, min_dist, BLOCK_N: gl.const
     return gl.cdiv(kv_hi, BLOCK_N), full_hi
 
 
+@gluon.jit
+def _tile_rows(q_first, BLOCK_M: gl.constexpr, CONSUMER: gl.constexpr, DIFFERENTIAL: gl.constexpr):
+    """The first query row of a consumer's ``BLOCK_M`` rows in a work tile from ``q_first``:
+    its half (plain) or the whole tile (differential: both consumers take the same rows)."""
+    if DIFFERENTIAL:
+        return q_first
+    else:
+        return q_first + CONSUMER * BLOCK_M
+
+
 # ----------------------------------------------------------------------------- producer
 @gluon.jit
-def _load_kv_tile(desc, smem, bar, table_row, kv_start, kv_len, start, col, cache_rows, PAGED: gl.constexpr,
-                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr):
+def _copy_kv_tile(desc, smem, bar, table_row, kv_start, kv_len, start, col, cache_rows, PAGED: gl.constexpr,
+                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
     """TMA copies of keys ``start .. start + BLOCK_N`` (columns ``col ..``) into ``smem``,
-    signalled on ``bar``: one box, or (PAGED) one box a block, its id read once; boxes past
-    the sequence's keys copy rows past the cache (``cache_rows``: zeros)."""
-    mbarrier.expect(bar, BLOCK_N * HEAD_SIZE * desc.dtype.primitive_bitwidth // 8)
+    signalled on ``bar`` (whose expected bytes the caller set): one box, or (PAGED) one box a
+    block, its id read once; boxes past the sequence's keys copy rows past the cache
+    (``cache_rows``: zeros)."""
     if PAGED:
         BOX: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
         for i in gl.static_range(BLOCK_N // BOX):
@@ -139,13 +164,14 @@ def _load_kv_tile(desc, smem, bar, table_row, kv_start, kv_len, start, col, cach
 
 @gluon.jit
 def _gather_values(v_ptr, smem, bar, table_row, kv_start, kv_len, start, col, stride_vb, stride_vt,
-                   PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr):
-    """The values of keys ``start .. start + BLOCK_N`` (columns ``col ..``) by masked pointer
-    loads, zeros past the sequence's ``kv_len`` keys, stored into ``smem``; then ``bar`` is
-    arrived on (the tile that holds the sequence's last key: no foreign row reaches ``p v``)."""
-    layout: gl.constexpr = _gather_layout(HEAD_SIZE)
-    CHUNK: gl.constexpr = 4 * 32 // (HEAD_SIZE // 8)  # rows a load of the warpgroup covers
-    cols = col + gl.arange(0, HEAD_SIZE, layout=gl.SliceLayout(0, layout))
+                   PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
+    """The ``COLS`` value columns from ``col`` of keys ``start .. start + BLOCK_N`` by masked
+    pointer loads, zeros past the sequence's ``kv_len`` keys, stored into ``smem``; then
+    ``bar`` is arrived on (the tile that holds the sequence's last key: no foreign row
+    reaches ``p v``)."""
+    layout: gl.constexpr = _gather_layout(COLS)
+    CHUNK: gl.constexpr = max(8, 4 * 32 // (COLS // 8))  # rows a load of the warpgroup covers
+    cols = col + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     for r in gl.static_range(0, BLOCK_N, CHUNK):
         key = start + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
         inside = key < kv_len
@@ -165,40 +191,52 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
               v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows,
               stride_vb, stride_vt, stride_bt,
               NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+              DIFFERENTIAL: gl.constexpr):
     """Streams each work tile's queries and key/value tiles (diagonal first) into the
     buffers, waiting for both consumers to release a buffer (keys and values apart: a
-    consumer is done with a tile's keys one step before its values) before refilling it."""
-    TILE_M: gl.constexpr = 2 * BLOCK_M
-    GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    consumer is done with a tile's keys one step before its values) before refilling it.
+    Differential: both components' queries and keys (two boxes each: ``q_bufs`` and
+    ``k_bufs`` hold ``[component 1, component 2]`` pairs), values ``[v1 | v2]`` in one."""
+    PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
+    UNITS: gl.constexpr = NUM_HEADS // PARTS
+    TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
+    GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS  # query heads (pairs) a KV head (pair)
+    VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
+    ELEMENT_BYTES: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
     q_count = 0
     kv_count = 0
-    for tile in range(gl.program_id(0), NUM_HEADS * num_q_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
         unit, seq, q_start, q_len, q_first, kv_start, kv_len = _locate(
-            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, NUM_HEADS, TILE_M, PAGED)
+            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS, TILE_M, PAGED)
         if q_first < q_len:
             qi = q_count % 2
             mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qi), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_start + q_first, unit * HEAD_SIZE], q_ready.index(qi), q_bufs.index(qi))
+            mbarrier.expect(q_ready.index(qi), PARTS * q_desc.block_type.nbytes)
+            for part in gl.static_range(PARTS):
+                _tma_load(q_desc, [q_start + q_first, (unit * PARTS + part) * HEAD_SIZE], q_ready.index(qi),
+                          q_bufs.index(qi * PARTS + part))
             q_count += 1
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
-            col = unit // GROUP * HEAD_SIZE
+            col = unit // GROUP * VALUE_COLS  # the KV head (pair)'s first column
             table_row = block_table_ptr + seq * stride_bt
             for step in range(tile_hi):
                 start = (tile_hi - 1 - step) * BLOCK_N
                 s = kv_count % STAGES
                 phase = ((kv_count // STAGES) & 1) ^ 1
                 mbarrier.wait(k_empty.index(s), phase)
-                _load_kv_tile(k_desc, k_bufs.index(s), k_ready.index(s), table_row, kv_start, kv_len, start, col,
-                              cache_rows, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_SIZE)
+                mbarrier.expect(k_ready.index(s), PARTS * BLOCK_N * HEAD_SIZE * ELEMENT_BYTES)
+                for part in gl.static_range(PARTS):
+                    _copy_kv_tile(k_desc, k_bufs.index(s * PARTS + part), k_ready.index(s), table_row, kv_start,
+                                  kv_len, start, col + part * HEAD_SIZE, cache_rows, PAGED, BLOCK_SIZE, BLOCK_N)
                 mbarrier.wait(v_empty.index(s), phase)
                 if start + BLOCK_N > kv_len:
                     _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
-                                   stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_SIZE)
+                                   stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS)
                 else:
-                    _load_kv_tile(v_desc, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
-                                  cache_rows, PAGED, BLOCK_SIZE, BLOCK_N, HEAD_SIZE)
+                    mbarrier.expect(v_ready.index(s), BLOCK_N * VALUE_COLS * ELEMENT_BYTES)
+                    _copy_kv_tile(v_desc, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
+                                  cache_rows, PAGED, BLOCK_SIZE, BLOCK_N)
                 kv_count += 1
 
 
@@ -252,24 +290,25 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _as_operand(p, dtype: gl.constexpr, HEAD_SIZE: gl.constexpr):
+def _as_operand(p, dtype: gl.constexpr, VALUE_COLS: gl.constexpr):
     """The probabilities as the register A operand of ``p v`` (a no-op layout change: the
     wgmma accumulator's fragment is the next wgmma's A fragment)."""
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_SIZE),
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(VALUE_COLS),
                                                               k_width=2))
 
 
 @gluon.jit
 def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
                 start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
-                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr,
-                STAGES: gl.constexpr):
-    """A key tile without overlap: scores, softmax, ``p v``, each waited for in turn."""
+                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VALUE_COLS: gl.constexpr,
+                STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr):
+    """A key tile without overlap: scores, softmax, ``p v``, each waited for in turn (keys
+    ``k_bufs[stage * K_PARTS + K_PART]``)."""
     s = kv_count % STAGES
     phase = (kv_count // STAGES) & 1
     mbarrier.wait(k_ready.index(s), phase)
     _await_turn(turns, turn_count, CONSUMER, PINGPONG)
-    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
+    scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
     _pass_turn(turns, CONSUMER, PINGPONG)
     scores = warpgroup_mma_wait(0, deps=(scores,))
     mbarrier.arrive(k_empty.index(s), count=1)
@@ -277,7 +316,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     acc = _rescale(acc, alpha)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
-    acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, HEAD_SIZE), v_bufs.index(s), acc, is_async=True)
+    acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(s), acc, is_async=True)
     _pass_turn(turns, CONSUMER, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(s), count=1)
@@ -288,7 +327,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
 def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                      turn_count, start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr,
                      PINGPONG: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_SIZE: gl.constexpr, STAGES: gl.constexpr):
+                     VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr):
     """FlashAttention-3's intra-warpgroup overlap (§3.2): with the previous key tile's
     probabilities ``p`` (buffer ``kv_count - 1``), issue this tile's ``q kᵀ`` and then the
     previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
@@ -299,7 +338,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
     prev_phase = ((kv_count - 1) // STAGES) & 1
     mbarrier.wait(k_ready.index(s), phase)
     _await_turn(turns, turn_count, CONSUMER, PINGPONG)
-    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
+    scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
     mbarrier.wait(v_ready.index(prev), prev_phase)
     acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
     _pass_turn(turns, CONSUMER, PINGPONG)
@@ -308,128 +347,183 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
     m, l, p_new, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
-    return m, l, _rescale(acc, alpha), _as_operand(p_new, v_bufs.dtype, HEAD_SIZE), kv_count + 1, turn_count + 1
+    return m, l, _rescale(acc, alpha), _as_operand(p_new, v_bufs.dtype, VALUE_COLS), kv_count + 1, turn_count + 1
 
 
 @gluon.jit
-def _consumer(out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-              cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
+            masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr,
+            K_PART: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """``(m, l, acc, kv_count, turn_count)`` of a consumer's rows over key tiles ``tile_hi -
+    1`` down to 0, the first ``masked_steps`` (>= 1 when ``tile_hi > 0``) masked. ``OVERLAP``:
+    :func:`_overlapped_step` (the first tile without ``p v``, the last tile's ``p v`` after
+    the loops); else :func:`_plain_step`."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    m = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, VALUE_COLS], gl.float32, _mma_layout(VALUE_COLS))
+    if OVERLAP:
+        if tile_hi > 0:
+            s = kv_count % STAGES
+            mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+            _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+            scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
+            _pass_turn(turns, CONSUMER, PINGPONG)
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale, True,
+                                      BLOCK_N)  # (acc is 0: no rescale)
+            p = _as_operand(p, v_bufs.dtype, VALUE_COLS)
+            kv_count += 1
+            turn_count += 1
+            for step in range(1, masked_steps):
+                m, l, acc, p, kv_count, turn_count = _overlapped_step(
+                    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
+                    turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
+                    True, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+            for step in range(gl.maximum(masked_steps, 1), tile_hi):
+                m, l, acc, p, kv_count, turn_count = _overlapped_step(
+                    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
+                    turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
+                    False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+            prev = (kv_count - 1) % STAGES
+            mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
+            _await_turn(turns, turn_count, CONSUMER, PINGPONG)
+            acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+            _pass_turn(turns, CONSUMER, PINGPONG)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            turn_count += 1
+    else:
+        for step in range(masked_steps):
+            m, l, acc, kv_count, turn_count = _plain_step(
+                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
+                (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG, True, BLOCK_M,
+                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+        for step in range(masked_steps, tile_hi):
+            m, l, acc, kv_count, turn_count = _plain_step(
+                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
+                (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG, False, BLOCK_M,
+                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+    return m, l, acc, kv_count, turn_count
+
+
+@gluon.jit
+def _normalize(acc, l):
+    """``acc / l`` per row, zeros for rows that saw no key (``l == 0``)."""
+    l = gl.convert_layout(l, gl.SliceLayout(1, acc.type.layout))
+    return gl.where(l[:, None] > 0, acc / gl.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+@gluon.jit
+def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
+              v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale,
+              min_dist, stride_ot,
               CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """Rows ``[CONSUMER * BLOCK_M, (CONSUMER + 1) * BLOCK_M)`` of each work tile: the masked
-    key tiles (diagonal band, last partial tile), then the interior ones, then the
-    normalized output rows (masked pointer stores). ``OVERLAP``: :func:`_overlapped_step`
-    (the first tile, always masked, without ``p v``; the last tile's ``p v`` after the
-    loops); else :func:`_plain_step`."""
-    TILE_M: gl.constexpr = 2 * BLOCK_M
+              PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
+    """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
+    component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
+    interior ones (:func:`_attend`), then the normalized output rows (masked pointer stores).
+    Differential: consumer 1 hands ``o_2`` (the output dtype) to consumer 0 through
+    ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``."""
+    PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
+    UNITS: gl.constexpr = NUM_HEADS // PARTS
+    TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
+    VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_SIZE)
+    o_layout: gl.constexpr = _mma_layout(VALUE_COLS)
     q_count = 0
     kv_count = 0
     turn_count = 0
-    for tile in range(gl.program_id(0), NUM_HEADS * num_q_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
         unit, seq, q_start, q_len, q_first, kv_start, kv_len = _locate(
-            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, NUM_HEADS, TILE_M, PAGED)
+            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS, TILE_M, PAGED)
         if q_first < q_len:
             qi = q_count % 2
             mbarrier.wait(q_ready.index(qi), (q_count // 2) & 1)
-            q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
-            q_count += 1
-            first_row = q_first + CONSUMER * BLOCK_M
+            if DIFFERENTIAL:
+                q_smem = q_bufs.index(qi * 2 + CONSUMER)
+            else:
+                q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
+            first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL)
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
             # unmasked loop, after a zero-trip masked one, gave wrong rows and faulted)
             masked_steps = gl.maximum(tile_hi - gl.minimum(full_hi // BLOCK_N, tile_hi), gl.minimum(tile_hi, 1))
             pos = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + kv_len - q_len
-            m = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
-            if OVERLAP:
-                if tile_hi > 0:
-                    s = kv_count % STAGES
-                    mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
-                    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
-                    scores = _issue_scores(q_smem, k_bufs.index(s), BLOCK_M, BLOCK_N)
-                    _pass_turn(turns, CONSUMER, PINGPONG)
-                    scores = warpgroup_mma_wait(0, deps=(scores,))
-                    mbarrier.arrive(k_empty.index(s), count=1)
-                    m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist,
-                                              qk_scale, True, BLOCK_N)  # (acc is 0: no rescale)
-                    p = _as_operand(p, v_bufs.dtype, HEAD_SIZE)
-                    kv_count += 1
-                    turn_count += 1
-                    for step in range(1, masked_steps):
-                        m, l, acc, p, kv_count, turn_count = _overlapped_step(
-                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p,
-                            kv_count, turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
-                            CONSUMER, PINGPONG, True, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
-                    for step in range(gl.maximum(masked_steps, 1), tile_hi):
-                        m, l, acc, p, kv_count, turn_count = _overlapped_step(
-                            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p,
-                            kv_count, turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
-                            CONSUMER, PINGPONG, False, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
-                    prev = (kv_count - 1) % STAGES
-                    mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
-                    _await_turn(turns, turn_count, CONSUMER, PINGPONG)
-                    acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
-                    _pass_turn(turns, CONSUMER, PINGPONG)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(v_empty.index(prev), count=1)
-                    turn_count += 1
-            else:
-                for step in range(masked_steps):
-                    m, l, acc, kv_count, turn_count = _plain_step(
-                        q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count,
-                        turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER,
-                        PINGPONG, True, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
-                for step in range(masked_steps, tile_hi):
-                    m, l, acc, kv_count, turn_count = _plain_step(
-                        q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count,
-                        turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER,
-                        PINGPONG, False, BLOCK_M, BLOCK_N, HEAD_SIZE, STAGES)
+            m, l, acc, kv_count, turn_count = _attend(
+                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
+                masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
+                CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG)
             mbarrier.arrive(q_empty.index(qi), count=1)
-            l = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
-            o = gl.where(l[:, None] > 0, acc / gl.where(l > 0, l, 1.0)[:, None], 0.0)
-            rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-            cols = unit * HEAD_SIZE + gl.arange(0, HEAD_SIZE, layout=gl.SliceLayout(0, o_layout))
-            ptrs = out_ptr + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
-            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+            o = _normalize(acc, l)
+            if DIFFERENTIAL:
+                exchange_phase = (q_count & 1) ^ CONSUMER  # consumer 1's first wait (x_empty) passes
+                if CONSUMER == 1:
+                    mbarrier.wait(x_empty, exchange_phase)
+                    x_buf.store(o.to(out_ptr.dtype.element_ty))
+                    mbarrier.arrive(x_ready, count=1)
+                else:
+                    if LAMBDA_PER_PAIR:
+                        lam = gl.load(lambda_ptr + unit).to(gl.float32)
+                    else:
+                        lam = gl.load(lambda_ptr).to(gl.float32)
+                    mbarrier.wait(x_ready, exchange_phase)
+                    o = o - lam * x_buf.load(o_layout).to(gl.float32)
+                    mbarrier.arrive(x_empty, count=1)
+            if CONSUMER == 0 or not DIFFERENTIAL:
+                rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+                cols = unit * VALUE_COLS + gl.arange(0, VALUE_COLS, layout=gl.SliceLayout(0, o_layout))
+                ptrs = out_ptr + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
+                gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+            q_count += 1
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "num_q_tiles", "min_dist", "cache_rows"])
 def gluon_prefill_kernel(
-    out_ptr, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
+    out_ptr, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr,
     num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr,
 ):
-    """Plain attention of ``2 * BLOCK_M`` query tokens x one query head a work tile, over
-    ``min(tiles, multiprocessors)`` persistent programs of 4 warps (the producer) + 2 x 4
-    warps (the consumers).
+    """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head;
+    differential: ``BLOCK_M`` tokens x one head pair), over ``min(tiles, multiprocessors)``
+    persistent programs of 4 warps (the producer) + 2 x 4 warps (the consumers).
 
     Args:
-        out_ptr: ``[Tq, Hq, D]`` (token stride ``stride_ot``, heads and dims dense).
-        q_desc: TMA descriptor over q ``[Tq, Hq * D]``, box ``[2 BLOCK_M, D]``.
+        out_ptr: ``[Tq, Hq, D]`` or, differential, ``[Tq, Hq / 2, 2D]`` (token stride
+            ``stride_ot``, heads and dims dense).
+        q_desc: TMA descriptor over q ``[Tq, Hq * D]``, box ``[2 BLOCK_M, D]`` (differential
+            ``[BLOCK_M, D]``).
         k_desc, v_desc: TMA descriptors over K and V ``[rows, Hkv * D]``, box ``[BLOCK_N, D]``
-            or (PAGED) ``[min(BLOCK_SIZE, BLOCK_N), D]``; rows: tokens (contiguous) or
-            ``num_blocks * BLOCK_SIZE`` cache slots (PAGED; ``cache_rows`` of them).
+            or (PAGED) ``[min(BLOCK_SIZE, BLOCK_N), D]`` (v's box ``2D`` wide when
+            differential); rows: tokens (contiguous) or ``num_blocks * BLOCK_SIZE`` cache
+            slots (PAGED; ``cache_rows`` of them).
         v_ptr: V itself (its token or slot stride ``stride_vt``, block stride ``stride_vb``),
             for the values of a sequence's last key tile (:func:`_gather_values`).
         cu_seqlens_q_ptr: ``[B + 1]`` int32. kv_lens_ptr: ``cu_seqlens_k [B + 1]`` (contiguous)
             or ``seq_lens [B]`` (PAGED), int32.
         block_table_ptr: PAGED ``[B, max_blocks]`` int32 (row stride ``stride_bt``).
-        num_q_tiles: ``Tq // (2 BLOCK_M) + B`` (the varlen bound of query tiles).
+        lambda_ptr: differential ``lambda_full``, ``[]`` or ``[Hq / 2]`` (``LAMBDA_PER_PAIR``).
+        num_q_tiles: ``Tq // TILE_M + B`` (the varlen bound of query tiles).
         qk_scale: ``scale * log2(e)``, positive. min_dist: see the module's masks.
         OVERLAP, PINGPONG: FlashAttention-3's intra- and inter-warpgroup schedules
             (:func:`_overlapped_step`, :func:`_await_turn`).
     """
     dtype: gl.constexpr = q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_M, HEAD_SIZE], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], v_desc.layout)
+    PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
+    TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
+    VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
+    q_bufs = gl.allocate_shared_memory(dtype, [2 * PARTS, TILE_M, HEAD_SIZE], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * PARTS, BLOCK_N, HEAD_SIZE], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, VALUE_COLS], v_desc.layout)
+    # differential: consumer 1's o_2 on its way to consumer 0 (plain: a placeholder)
+    x_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, VALUE_COLS] if DIFFERENTIAL else [1, 8],
+                                      gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -437,6 +531,8 @@ def gluon_prefill_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -446,15 +542,19 @@ def gluon_prefill_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(x_ready, count=1)
+    mbarrier.init(x_empty, count=1)
     gl.warp_specialize(
         [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles,
                       min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
-                      BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE)),
-         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                      cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
-                      0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, OVERLAP, PINGPONG)),
-         (_consumer, (out_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                      cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, stride_ot,
-                      1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, OVERLAP, PINGPONG))],
+                      BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL)),
+         (_consumer, (out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles,
+                      qk_scale, min_dist, stride_ot, 0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED,
+                      OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR)),
+         (_consumer, (out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles,
+                      qk_scale, min_dist, stride_ot, 1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED,
+                      OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
