@@ -65,7 +65,7 @@ def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=12
 
 
 def run_paged(seqs, *, block_size=16, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, causal=True,
-              seed=0, tiles=None, lam=None):
+              window_right=-1, seed=0, tiles=None, lam=None):
     """Kernel vs oracle on a fresh paged batch (differential with ``lam``): NaN in unowned
     cache slots, NaN-poisoned output."""
     batch = make_paged_batch(seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -74,9 +74,10 @@ def run_paged(seqs, *, block_size=16, num_heads=8, num_kv_heads=2, head_size=128
     out = torch.full(output_shape(batch.query, lam is not None), float("nan"), dtype=dtype, device="cuda")
     lam_dev = None if lam is None else lam.cuda()
     assert gluon_prefill.covers_paged(args[0], args[1], args[2], lam_dev, None, -1, 0.0, None, None)
-    got = gluon_prefill.paged_prefill(*args, lam_dev, causal=causal, out=out, tiles=tiles)
+    got = gluon_prefill.paged_prefill(*args, lam_dev, causal=causal, window_right=window_right, out=out, tiles=tiles)
     assert got is out
-    assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal, lambda_full=lam))
+    assert_close_to_oracle(out, oracle_paged(*batch.attention_args(), causal=causal, window=(-1, window_right),
+                                             lambda_full=lam))
     if batch.pad_rows:
         assert bool((out[batch.pad_rows] == 0).all()), "padded rows (no key) must be exact zeros"
 
@@ -173,7 +174,7 @@ def test_many_sequences():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("head_size", [64, 128])
 def test_paged(block_size, head_size):
     # chunks after contexts on and off block and tile boundaries, a prefill with no context,
@@ -186,33 +187,57 @@ def test_paged(block_size, head_size):
 @pytest.mark.gpu
 def test_paged_noncausal_fp16():
     run_paged([(100, 150), (0, 7)], block_size=32, dtype=torch.float16, causal=False, seed=3)
+    run_paged([(100, 150), (0, 7), (300, 129)], block_size=16, causal=False, window_right=21, seed=4)
 
 
-def test_covers():
-    """Shapes, dtypes and options: plain fp16/bf16 at D 64/128 with a positive scale only,
-    no softcap, left window, ALiBi or differential pair; never on the CPU."""
+def test_covers(monkeypatch):
+    """Shapes, dtypes and options: fp16/bf16 at D 64/128 with a positive scale, plain or
+    differential (even head counts), no softcap, left window or ALiBi, TMA-readable strides;
+    paged: power-of-two blocks of 16 and up. On fake CUDA tensors of a pretended sm90 GPU (as
+    ``torch.compile`` asks it: no address or value is read), so it runs without a GPU; never
+    on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
-    kv = torch.empty(8, 2, 128, dtype=torch.bfloat16)
-    assert not gluon_prefill.covers(q, kv, kv, None, None, -1, 0.0, None, None)  # a CPU tensor
-    if not ON_SM90:
-        return
-    q, kv = q.cuda(), kv.cuda()
-    assert gluon_prefill.covers(q, kv, kv, None, None, -1, 0.0, None, None)
-    for lam, scale, left, softcap, alibi in ((torch.ones(2), None, -1, 0.0, None), (None, -0.1, -1, 0.0, None),
-                                            (None, None, 5, 0.0, None), (None, None, -1, 3.0, None),
-                                            (None, None, -1, 0.0, torch.ones(4))):
-        assert not gluon_prefill.covers(q, kv, kv, lam, scale, left, softcap, alibi, None)
-    assert not gluon_prefill.covers(q[:, :, :96], kv[:, :, :96], kv[:, :, :96], None, None, -1, 0.0, None, None)
-    assert not gluon_prefill.covers(q.float(), kv.float(), kv.float(), None, None, -1, 0.0, None, None)
-    assert not gluon_prefill.covers(q[:, ::2], kv, kv, None, None, -1, 0.0, None, None)  # heads not dense
+    assert not gluon_prefill.covers(q, q[:, :2], q[:, :2], None, None, -1, 0.0, None, None)  # a CPU tensor
+    monkeypatch.setattr(gluon_prefill, "is_hopper", lambda index: True)
+    monkeypatch.setattr(gluon_prefill, "gluon_available", lambda: True)
+    with FakeTensorMode():
+        def tensors(heads=4, kv_heads=2, size=128, dtype=torch.bfloat16):
+            return (torch.empty(8, heads, size, dtype=dtype, device="cuda"),
+                    torch.empty(8, kv_heads, size, dtype=dtype, device="cuda"))
+
+        q, kv = tensors()
+        assert gluon_prefill.covers(q, kv, kv, None, None, -1, 0.0, None, None)
+        assert gluon_prefill.covers(q, kv, kv, torch.ones(2, device="cuda"), None, -1, 0.0, None, None)
+        for lam, scale, left, softcap, alibi, scalars in (
+                (None, -0.1, -1, 0.0, None, None), (None, None, 5, 0.0, None, None),
+                (None, None, -1, 3.0, None, None), (None, None, -1, 0.0, torch.ones(4, device="cuda"), None),
+                (None, None, -1, 0.0, None, torch.ones(2, device="cuda"))):
+            assert not gluon_prefill.covers(q, kv, kv, lam, scale, left, softcap, alibi, scalars)
+        for q_bad, kv_bad in (tensors(size=96), tensors(dtype=torch.float32), tensors(size=256)):
+            assert not gluon_prefill.covers(q_bad, kv_bad, kv_bad, None, None, -1, 0.0, None, None)
+        q3, kv3 = tensors(heads=3, kv_heads=1)
+        assert gluon_prefill.covers(q3, kv3, kv3, None, None, -1, 0.0, None, None)
+        assert not gluon_prefill.covers(q3, kv3, kv3, torch.ones(1, device="cuda"), None, -1, 0.0, None, None)
+        # (strided tensors made whole: views of fake CUDA tensors need a CUDA build)
+        every_other_head = torch.empty_strided((8, 4, 128), (1024, 256, 1), dtype=torch.bfloat16, device="cuda")
+        assert not gluon_prefill.covers(every_other_head, kv, kv, None, None, -1, 0.0, None, None)
+        odd_rows = torch.empty_strided((8, 2, 128), (260, 128, 1), dtype=torch.bfloat16, device="cuda")
+        assert not gluon_prefill.covers(q, odd_rows, kv, None, None, -1, 0.0, None, None)  # rows not 16-byte apart
+        _, v64 = tensors(size=64)
+        assert not gluon_prefill.covers(q, kv, v64, None, None, -1, 0.0, None, None)  # v's head size
+        for block_size, expected in ((8, False), (16, True), (48, False), (256, True)):
+            cache = torch.empty(32, block_size, 2, 128, dtype=torch.bfloat16, device="cuda")
+            assert gluon_prefill.covers_paged(q, cache, cache, None, None, -1, 0.0, None, None) is expected
 
 
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
 def test_compiles_for_sm90():
     """The kernel lowers to a cubin for sm90 (plain contiguous and paged at blocks 16/64/256,
     D 64 and 128; differential contiguous and paged) within 227 KiB of shared memory, its
-    wgmma not serialized by ptxas and without register spills (``tests/compile_sm90.py
-    gluon``, no GPU needed)."""
+    wgmma not serialized by ptxas and with at most small register spills
+    (``tests/compile_sm90.py gluon``, no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
     done = subprocess.run([sys.executable, str(script), "gluon"], env=env, capture_output=True, text=True,
@@ -223,8 +248,9 @@ def test_compiles_for_sm90():
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
-        # (Triton 3.9, CI's, spills 8 / 24 bytes in the differential D 128 consumer; 3.6, the H200's, none)
-        assert row["spill_stores"] <= 32 and row["spill_loads"] <= 32, row
+        # Triton 3.6 (the H200's) compiles every case without a spill; 3.9 (CI's) spills up to
+        # 16 / 48 bytes at D 128 with the consumers at 232 registers
+        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 64, row
 
 
 def _count_calls(monkeypatch, name: str) -> list:
@@ -284,11 +310,12 @@ def test_compiled_call_stays_opaque(monkeypatch):
 
 @gpu
 @pytest.mark.gpu
-def test_paged_prefill_in_a_cuda_graph():
+def test_paged_prefill_in_a_cuda_graph(monkeypatch):
     """Captured once, replayed after the metadata changes (lengths, block tables, a padded
     row): each replay equals the eager call bit for bit and the oracle within tolerance."""
     import compiled_attn.ops as ops
 
+    calls = _count_calls(monkeypatch, "paged_prefill")
     rounds = [[(200, 300), (0, 200), (17, 12)], [(1000, 500), (5, 1), pad(11)], [(0, 512), (64, 0), (300, 0)]]
     batches = [make_paged_batch(seqs, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, seed=20 + i,
                                 unused_fill="nan", extra_columns=80 - len(seqs)) for i, seqs in enumerate(rounds)]
@@ -326,6 +353,7 @@ def test_paged_prefill_in_a_cuda_graph():
         rows = batch.query.shape[0]  # (the rows past them belong to no sequence: left unwritten)
         assert torch.equal(out[:rows], ops.paged_attention(*static)[:rows]), f"round {number}"
         assert_close_to_oracle(out[:rows], oracle_paged(*batch.attention_args()))
+    assert calls  # captured and eager calls took this kernel
 
 
 def test_launch_problems_are_named():

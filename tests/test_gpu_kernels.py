@@ -117,6 +117,7 @@ def test_varlen_real_sizes(differential, route, monkeypatch):
     (``GLUON_PREFILL``), the Hopper prefill kernel (``PREFILL_KERNEL``), and the unified kernel."""
     monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", route == "gluon")
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_KERNEL", "hopper" if route == "gluon" else route)
+    gluon_calls = count_gluon_calls(monkeypatch)
     g = torch.Generator().manual_seed(3)
     lens = [2048, 1000, 17, 1, 333]
     total = sum(lens)
@@ -129,6 +130,18 @@ def test_varlen_real_sizes(differential, route, monkeypatch):
         out = torch.full(output_shape(q, differential), float("nan"), dtype=q.dtype, device="cuda")
         triton_kernels.varlen_attention(q, k, v, cu, cu, lam, causal=causal, out=out)
         assert_close_to_oracle(out, reference_varlen((q, k, v, cu, cu), lam, causal))
+    assert len(gluon_calls) == (2 if route == "gluon" else 0)
+
+
+def count_gluon_calls(monkeypatch) -> list:
+    """Record each launch of the Gluon prefill kernel's varlen and paged launchers (the op's
+    route reaches them through their module)."""
+    gluon_prefill = triton_kernels.attention.gluon_prefill
+    calls = []
+    for name in ("varlen_prefill", "paged_prefill"):
+        launcher = getattr(gluon_prefill, name)
+        monkeypatch.setattr(gluon_prefill, name, lambda *a, launcher=launcher, **kw: calls.append(a) or launcher(*a, **kw))
+    return calls
 
 
 ODD_MIXED = [(0, 100), (700, 17), (1023, 1), (4000, 3), pad(1), (50, 0)]
@@ -301,6 +314,7 @@ def test_cuda_graph_paged(phase, differential):
 def test_cuda_graph_varlen(differential, gluon, monkeypatch):
     """Plain calls on the Gluon prefill kernel (``GLUON_PREFILL``) and on the unified kernel."""
     monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", gluon)
+    gluon_calls = count_gluon_calls(monkeypatch)
     g = torch.Generator().manual_seed(11)
     total_q, total_k, num_seqs = 64, 96, 4
     q = torch.empty((total_q, NUM_HEADS, 64), dtype=torch.bfloat16, device="cuda")
@@ -326,6 +340,7 @@ def test_cuda_graph_varlen(differential, gluon, monkeypatch):
         graph.replay()
         assert torch.equal(out, ops.varlen_attention(q, k, v, cu_q, cu_k, lam)), f"round {number}"
         assert_close_to_oracle(out, reference_varlen((q, k, v, cu_q, cu_k), lam))
+    assert bool(gluon_calls) == gluon  # the route this case is about ran (captured and eager)
 
 
 def test_cuda_graph_reshape_and_cache():

@@ -274,3 +274,18 @@ def test_gpu_op_routes_to_the_prefill_kernel(monkeypatch):
     monkeypatch.setattr(attention_launchers, "PREFILL_KERNEL", "hopper")
     attention_launchers.varlen_attention(*args, alibi_slopes=torch.rand(8, device=DEVICE))
     assert len(calls) == 2
+
+
+def test_tokens_past_the_last_sequence_are_left_alone():
+    """Query tokens past ``cu_seqlens_q[B]`` (outside the op's contract, which its value checks
+    enforce in eager calls; a launcher fed such metadata inside a graph) are never read as a
+    sequence: their output rows keep the NaN they had, the sequences' rows are right, and no
+    load goes past the metadata (the search stops at sequence ``B - 1``)."""
+    batch = make_varlen_batch([5, 19], [9, 19], num_heads=4, num_kv_heads=2, head_size=16, seed=40)
+    q, k, v, cu_q, cu_k = batch.attention_args()
+    extra = torch.randn(37, 4, 16)
+    out = torch.full((q.shape[0] + 37, 4, 16), float("nan"), device=DEVICE)
+    dev = [t.to(DEVICE) for t in (torch.cat([q, extra]), k, v, cu_q, cu_k)]
+    varlen_prefill(*dev, out=out, tiles=SMALL, use_tma=True if INTERPRETED else None)
+    assert_close_to_oracle(out[:q.shape[0]], oracle_varlen(q, k, v, cu_q, cu_k))
+    assert bool(out[q.shape[0]:].isnan().all()), "rows past the last sequence were written"

@@ -333,6 +333,19 @@ def test_scale_softcap_from_a_tensor(differential, softcap):
     run_varlen(varlen, lam, tensor_scalars=True, scale=0.2, softcap=softcap, causal=False)
 
 
+def test_varlen_tokens_past_the_last_sequence_are_left_alone():
+    """Query tokens past ``cu_seqlens_q[B]`` (outside the op's contract, which its value checks
+    enforce in eager calls) are never read as a sequence: their rows keep their NaN, the
+    sequences' rows are right (the search stops at sequence ``B - 1``, never past the metadata)."""
+    batch = make_varlen_batch([5, 19], [9, 19], num_heads=4, num_kv_heads=2, head_size=32, seed=41)
+    q, k, v, cu_q, cu_k = batch.attention_args()
+    out = torch.full((q.shape[0] + 40, 4, 32), float("nan"), device=DEVICE)
+    args = on_device(torch.cat([q, torch.randn(40, 4, 32)]), k, v, cu_q, cu_k)
+    triton_kernels.varlen_attention(*args, out=out)
+    assert_close_to_oracle(out[:q.shape[0]], oracle_varlen(q, k, v, cu_q, cu_k))
+    assert bool(out[q.shape[0]:].isnan().all()), "rows past the last sequence were written"
+
+
 def test_varlen_matches_paged_cache_view():
     """A paged batch and its contiguous ``to_varlen`` view give the same rows."""
     batch = make_paged_batch([(0, 12), (20, 6), (7, 1)], num_heads=4, num_kv_heads=1,

@@ -72,17 +72,22 @@ GLUON_PREFILL = True
 where it covers the call, before the routes above: ``varlen_attention`` calls
 :func:`gluon_takes_varlen` takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes.
 On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, ``profiling/bench_kernels.py
---parts gluon``) it took 0.639 ms at B=8 S=2048 against 0.744 for the Hopper prefill kernel
-(7.46 / 8.44 ms for 64 sequences of 128-4096 tokens), and paged prefill (512 new tokens after
-4096 cached, block 16) 0.588 ms against the unified kernel's 1.161. Read at each call, so a
-benchmark can flip it. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel
-cannot be traced into Inductor's code: ``ops/backends.py``)."""
-
+--parts gluon``) it took 0.608-0.617 ms at B=8 S=2048 against 0.748-0.755 for the Hopper
+prefill kernel (7.36-7.48 / 8.38-8.44 ms for 64 sequences of 128-4096 tokens), and paged
+prefill (512 new tokens after 4096 cached, block 16) 0.569-0.597 ms against 0.817 for the
+Hopper kernel's paged path (2026-12-01) and 1.161 for the unified kernel, which served it.
+Read at each call, and at trace time: a graph traced or captured with it off keeps the
+kernels it got. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel cannot
+be traced into Inductor's code: ``ops/backends.py``)."""
 
 GLUON_DIFFERENTIAL = False
 """Whether differential calls the Gluon kernel covers run there too (its fused schedule: the
-two components on its two consumer warpgroups). Off: written 2026-12-02, not yet run on a GPU;
-the Hopper prefill kernel's sequential schedule serves them."""
+two components on its two consumer warpgroups). Its GPU tests passed on the H200 (2026-12-02),
+where it took 0.966 ms at B=8 S=2048 against 0.958 for the Hopper prefill kernel's sequential
+schedule, 10.40 / 11.26 ms for 64 sequences of 128-4096 tokens, and paged (512 after 4096
+cached, block 16) 0.837 ms, where the unified kernel serves the paged calls today (2.105 ms
+on 2026-12-01). Off until the GPU tests of the routes it would change (``test_gpu_compile``'s
+traced differential call, the engine's) have run with it on."""
 
 
 def gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,

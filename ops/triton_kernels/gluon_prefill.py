@@ -43,14 +43,16 @@ class GluonTiles(NamedTuple):
         return f"{self.block_m}x{self.block_n} s{self.stages}" + " overlap" * self.overlap + " pingpong" * self.pingpong
 
 
-# H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon): with
-# both schedules 0.614 ms at B=8 S=2048 and 7.37 ms for 64 sequences of 128-4096 tokens, against
-# 0.622 / 7.58 with neither, 0.640 / 7.69 overlap only, 0.628 / 7.76 pingpong only; 64x64 s3 with
-# both 0.641 / 7.93.
+# H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon, the
+# day's last run, consumers at 232 registers): with both schedules 0.608 ms at B=8 S=2048 and 7.36 ms
+# for 64 sequences of 128-4096 tokens, against 0.636 / 7.91 with neither, 0.618 / 7.42 overlap only,
+# 0.661 / 7.79 pingpong only (the two runs before, at 240 registers, ranked them the same; 64x64 s3
+# with both: 0.641 / 7.93).
 TILES = GluonTiles(overlap=True, pingpong=True)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
-# D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64.
-# Not yet run on a GPU.
+# D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
+# (2026-12-02, D 128): 0.966 ms at B=8 S=2048 (the Hopper prefill kernel's sequential schedule 0.958),
+# 10.40 ms for the 64 sequences (11.26); other tiles not timed.
 DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True),
                       128: GluonTiles(64, 64, 2, overlap=True, pingpong=True)}
 
@@ -61,7 +63,7 @@ def gluon_available() -> bool:
     H200's, and 3.9, CI's, have it)."""
     try:
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma  # noqa: F401 (present?)
     except ImportError:
         return False
     return hasattr(gl, "warp_specialize")
@@ -153,7 +155,9 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         tiles: default :data:`TILES` (plain) or :data:`DIFFERENTIAL_TILES`.
 
     Returns:
-        ``out``.
+        ``out``. The metadata must follow the op's contract (``cu_seqlens_q[-1] == Tq``,
+        checked by the public functions, not here); query tokens past ``cu_seqlens_q[-1]``
+        would be left unwritten.
 
     Raises:
         ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
@@ -166,9 +170,11 @@ def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seql
                   causal: bool = True, window_right: int = -1, *, out: Tensor | None = None,
                   tiles: GluonTiles | None = None) -> Tensor:
     """``paged_attention`` prefill (chunked prefill, prefix hits) through the Gluon kernel:
-    keys from caches ``[num_blocks, block_size, Hkv, D]`` through ``block_table`` ``[B,
-    max_blocks]`` int32, ``seq_lens[b]`` keys of sequence ``b`` (its new tokens included;
-    causal bottom-right aligned). Other arguments as :func:`varlen_prefill`."""
+    keys from caches ``[num_blocks, block_size, Hkv, D]`` (``block_size`` a power of two >=
+    16: :func:`covers_paged`) through ``block_table`` ``[B, max_blocks]`` int32,
+    ``seq_lens[b]`` (int32 ``[B]``) keys of sequence ``b``, its new tokens included, causal
+    bottom-right aligned; no slot past ``seq_lens[b]`` is read into the result (a cache may
+    hold NaN there). Other arguments, the result and the errors as :func:`varlen_prefill`."""
     return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
                    window_right, out, tiles)
 
@@ -197,8 +203,13 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
         return out
+    if k.shape[0] == 0:  # no key at all (a TMA descriptor needs rows): every row sees nothing
+        return out.zero_()
     tiles = tiles or (DIFFERENTIAL_TILES[head_size] if differential else TILES)
     paged = block_table is not None
+    # the kernel reads the metadata as dense rows (no-ops for the usual contiguous tensors)
+    cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
+    block_table = None if block_table is None else block_table.contiguous()
     num_seqs = cu_seqlens_q.shape[0] - 1
     tile_m = tiles.block_m if differential else 2 * tiles.block_m
     num_q_tiles = num_tokens // tile_m + num_seqs

@@ -9,8 +9,9 @@ softmax runs. Here each program holds three partitions:
 * a **producer** (the default partition, one warpgroup: TMA copies are issued by one
   thread) that streams a query tile and its key/value tiles into shared memory through
   TMA, ``STAGES`` key/value buffers deep, each buffer's arrival signalled on an mbarrier;
-* two **consumers** (one warpgroup each, 240 registers a thread). Plain: consumer ``c``
-  owns query rows ``[c * BLOCK_M, (c + 1) * BLOCK_M)`` of the ``2 * BLOCK_M``-row tile.
+* two **consumers** (one warpgroup each, 232 registers a thread; the producer keeps 40).
+  Plain: consumer ``c`` owns query rows ``[c * BLOCK_M, (c + 1) * BLOCK_M)`` of the
+  ``2 * BLOCK_M``-row tile.
   Per key tile: ``s = q kᵀ`` (wgmma from shared memory), the online softmax in registers,
   ``o += p v`` (wgmma, ``p`` from registers), then the key and value buffers are released.
   ``PINGPONG``: the consumers issue their wgmma in turns, so one's softmax runs under the
@@ -72,7 +73,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; 3.9 async_load
 _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
-CONSUMER_REGISTERS = gl.constexpr(232)  # a consumer thread's registers (FlashAttention-3's); the producer keeps the rest (32)
+# a consumer thread's registers; the producer warpgroup keeps the rest (40: at 240 and 24 it spilled
+# paged tiles' block ids and the differential schedule's in Triton 3.6, which sets them with setmaxnreg)
+CONSUMER_REGISTERS = gl.constexpr(232)
 
 
 @gluon.constexpr_function
@@ -98,11 +101,13 @@ def _locate(tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS: g
     """``(unit, seq, q_start, q_len, q_first, kv_start, kv_len)`` of work tile ``tile``:
     unit (query head or pair) ``tile % UNITS``; query tile ``num_q_tiles - 1 - tile // UNITS``
     of the varlen bound, which sequence ``seq`` owns from ``cu_seqlens_q[seq] // TILE_M + seq``
-    on (found by binary search); its first query row ``q_first`` (``>= q_len``: an empty tile)."""
+    on (found by binary search, at most ``B - 1``: tokens past ``cu_seqlens_q[B]``, which the
+    op's contract rules out, fall in sequence ``B - 1``'s empty tiles, never past the
+    metadata); its first query row ``q_first`` (``>= q_len``: an empty tile)."""
     unit = tile % UNITS
     q_tile = num_q_tiles - 1 - tile // UNITS
     seq = 0
-    right = num_seqs
+    right = num_seqs - 1
     while seq < right:
         mid = (seq + right + 1) // 2
         if gl.load(cu_seqlens_q_ptr + mid) // TILE_M + mid <= q_tile:

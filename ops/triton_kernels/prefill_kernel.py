@@ -471,9 +471,11 @@ def prefill_kernel(
     # ``start(b) = cu_seqlens_q[b] // BLOCK_M + b`` (strictly increasing in ``b``): a binary
     # search written inline, not as a called function: Inductor's mutation analysis of a
     # traced kernel counts every pointer passed to a call whose result reaches a store
-    # address as written (it would copy cu_seqlens_q around each launch).
+    # address as written (it would copy cu_seqlens_q around each launch). At most B - 1: tokens
+    # past cu_seqlens_q[B] (the op's contract rules them out) land in sequence B - 1's empty
+    # tiles, never past the metadata.
     seq: tl.int32 = 0
-    right = num_seqs
+    right = num_seqs - 1
     while seq < right:
         mid = (seq + right + 1) // 2
         if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= q_tile:
