@@ -224,7 +224,9 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
         block_table = cu_seqlens_q  # placeholder (never read)
     min_dist = 0 if causal else (-window_right if window_right >= 0 else -UNBOUNDED)
     qk_scale = default_scale(scale, head_size) * LOG2E
-    args = (out, _descriptor(q, num_tokens, tile_m), _descriptor(k, kv_rows, box),
+    q_desc = _descriptor(q, num_tokens, tile_m)
+    out_desc = q_desc if differential else _descriptor(out, num_tokens, tiles.block_m)  # (differential: unused)
+    args = (out, out_desc, q_desc, _descriptor(k, kv_rows, box),
             _descriptor(v, kv_rows, box, 1 + differential), v, cu_seqlens_q, kv_lens, block_table,
             q if lambda_full is None else lambda_full.contiguous(),  # (plain: a placeholder, never read)
             num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0), stride_vb, stride_vt, stride_bt)

@@ -27,10 +27,13 @@ softmax runs. Here each program holds three partitions:
 The program is **persistent**: ``min(work tiles, multiprocessors)`` programs walk the work
 tiles ``pid, pid + programs, ...``, a tile being one query head and ``2 * BLOCK_M`` query
 tokens of one sequence (differential: one head pair and ``BLOCK_M`` tokens), units (heads or
-pairs) fastest and query tiles reversed, so the heaviest
-(causal: last) tiles start first (:func:`_locate`; the varlen bound and binary search of
-:mod:`.prefill_kernel`). The producer loads the next tile's queries while the consumers
-finish the current one (two query buffers).
+pairs) fastest and query tiles reversed, so the heaviest (causal: last) tiles start first
+(:func:`_locate`: the varlen bound of :mod:`.prefill_kernel`; a program's query tiles only
+walk down, so it keeps its current sequence's metadata and searches ``cu_seqlens_q`` only
+when a tile leaves it: on the H200 a binary search a tile, 3 to 7 dependent loads, cost ~8%
+of the consumers' time). The producer loads the next tile's queries while the consumers
+finish the current one (two query buffers); a consumer's whole output rows leave through
+its query buffer by one TMA store (:func:`_store_output`).
 
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
@@ -71,8 +74,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-# Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; 3.9 async_load
+# Triton 3.6 (the H200's) names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global;
+# 3.9 async_load / async_store
 _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
+_tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
 # a consumer thread's registers; the producer warpgroup keeps the rest (40: at 240 and 24 it spilled
 # paged tiles' block ids and the differential schedule's in Triton 3.6, which sets them with setmaxnreg)
 CONSUMER_REGISTERS = gl.constexpr(232)
@@ -96,18 +101,15 @@ def _gather_layout(cols):
 
 
 @gluon.jit
-def _locate(tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS: gl.constexpr,
-            TILE_M: gl.constexpr, PAGED: gl.constexpr):
-    """``(unit, seq, q_start, q_len, q_first, kv_start, kv_len)`` of work tile ``tile``:
-    unit (query head or pair) ``tile % UNITS``; query tile ``num_q_tiles - 1 - tile // UNITS``
-    of the varlen bound, which sequence ``seq`` owns from ``cu_seqlens_q[seq] // TILE_M + seq``
-    on (found by binary search, at most ``B - 1``: tokens past ``cu_seqlens_q[B]``, which the
-    op's contract rules out, fall in sequence ``B - 1``'s empty tiles, never past the
-    metadata); its first query row ``q_first`` (``>= q_len``: an empty tile)."""
-    unit = tile % UNITS
-    q_tile = num_q_tiles - 1 - tile // UNITS
+def _seek(q_tile, seq, cu_seqlens_q_ptr, kv_lens_ptr, TILE_M: gl.constexpr, PAGED: gl.constexpr):
+    """``(seq, first_tile, q_start, q_len, kv_start, kv_len)`` of the sequence that owns
+    query tile ``q_tile`` of the varlen bound (sequence ``b`` owns the tiles from
+    ``first_tile(b) = cu_seqlens_q[b] // TILE_M + b`` on), found by binary search below
+    ``seq`` (the owner is at most ``seq - 1``; at most ``B - 1`` from ``seq = B``: tokens
+    past ``cu_seqlens_q[B]``, which the op's contract rules out, fall in sequence ``B -
+    1``'s empty tiles, never past the metadata)."""
+    right = seq - 1
     seq = 0
-    right = num_seqs - 1
     while seq < right:
         mid = (seq + right + 1) // 2
         if gl.load(cu_seqlens_q_ptr + mid) // TILE_M + mid <= q_tile:
@@ -116,14 +118,31 @@ def _locate(tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS: g
             right = mid - 1
     q_start = gl.load(cu_seqlens_q_ptr + seq)
     q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    q_first = (q_tile - q_start // TILE_M - seq) * TILE_M
     if PAGED:
         kv_start = 0
         kv_len = gl.load(kv_lens_ptr + seq)
     else:
         kv_start = gl.load(kv_lens_ptr + seq)
         kv_len = gl.load(kv_lens_ptr + seq + 1) - kv_start
-    return unit, seq, q_start, q_len, q_first, kv_start, kv_len
+    return seq, q_start // TILE_M + seq, q_start, q_len, kv_start, kv_len
+
+
+@gluon.jit
+def _locate(tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles,
+            UNITS: gl.constexpr, TILE_M: gl.constexpr, PAGED: gl.constexpr):
+    """``(unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len)`` of work tile
+    ``tile``: unit (query head or pair) ``tile % UNITS``, query tile ``num_q_tiles - 1 - tile
+    // UNITS`` of the varlen bound, whose first query row in its sequence is ``q_first``
+    (``>= q_len``: an empty tile). A program's tiles walk the query tiles down, so the
+    sequence of its last tile (``seq .. kv_len``; ``seq = B``, ``first_tile = num_q_tiles``
+    before the first) serves until a tile falls below its ``first_tile``: then
+    :func:`_seek` reads the metadata (a few times a program, not a binary search a tile)."""
+    unit = tile % UNITS
+    q_tile = num_q_tiles - 1 - tile // UNITS
+    if q_tile < first_tile:
+        seq, first_tile, q_start, q_len, kv_start, kv_len = _seek(q_tile, seq, cu_seqlens_q_ptr, kv_lens_ptr, TILE_M,
+                                                                  PAGED)
+    return unit, (q_tile - first_tile) * TILE_M, seq, first_tile, q_start, q_len, kv_start, kv_len
 
 
 @gluon.jit
@@ -211,9 +230,11 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
     ELEMENT_BYTES: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
     q_count = 0
     kv_count = 0
+    seq, first_tile, q_start, q_len, kv_start, kv_len = num_seqs, num_q_tiles, 0, 0, 0, 0
     for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
-        unit, seq, q_start, q_len, q_first, kv_start, kv_len = _locate(
-            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS, TILE_M, PAGED)
+        unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len = _locate(
+            tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
+            TILE_M, PAGED)
         if q_first < q_len:
             qi = q_count % 2
             mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
@@ -422,7 +443,29 @@ def _normalize(acc, l):
 
 
 @gluon.jit
-def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
+def _store_output(o, out_desc, out_ptr, stage, q_start, first_row, q_len, col, stride_ot, TMA: gl.constexpr):
+    """A consumer's normalized rows ``o`` (``[BLOCK_M, cols]`` fp32) into ``out`` from row
+    ``q_start + first_row``, column ``col``: when ``TMA`` and every row is the sequence's,
+    staged in ``stage`` (the consumer's query buffer, its last ``q kᵀ`` retired) and copied by
+    one TMA store, waited for until it has read ``stage``; else by masked pointer stores (the
+    rows past ``q_len`` belong to the next sequence)."""
+    BLOCK_M: gl.constexpr = o.shape[0]
+    COLS: gl.constexpr = o.shape[1]
+    if TMA and first_row + BLOCK_M <= q_len:
+        stage.store(o.to(out_desc.dtype))
+        fence_async_shared()
+        _tma_store(out_desc, [q_start + first_row, col], stage)
+        tma.store_wait(0)
+    else:
+        o_layout: gl.constexpr = o.type.layout
+        rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = col + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
+        ptrs = out_ptr + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
+        gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
               v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale,
               min_dist, stride_ot,
               CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -430,7 +473,7 @@ def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_emp
               PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
     """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
     component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
-    interior ones (:func:`_attend`), then the normalized output rows (masked pointer stores).
+    interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
     Differential: consumer 1 hands ``o_2`` (the output dtype) to consumer 0 through
     ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -442,9 +485,11 @@ def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_emp
     q_count = 0
     kv_count = 0
     turn_count = 0
+    seq, first_tile, q_start, q_len, kv_start, kv_len = num_seqs, num_q_tiles, 0, 0, 0, 0
     for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
-        unit, seq, q_start, q_len, q_first, kv_start, kv_len = _locate(
-            tile, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, UNITS, TILE_M, PAGED)
+        unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len = _locate(
+            tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
+            TILE_M, PAGED)
         if q_first < q_len:
             qi = q_count % 2
             mbarrier.wait(q_ready.index(qi), (q_count // 2) & 1)
@@ -463,7 +508,8 @@ def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_emp
                 q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
                 masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
                 CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG)
-            mbarrier.arrive(q_empty.index(qi), count=1)
+            if DIFFERENTIAL:
+                mbarrier.arrive(q_empty.index(qi), count=1)
             o = _normalize(acc, l)
             if DIFFERENTIAL:
                 exchange_phase = (q_count & 1) ^ CONSUMER  # consumer 1's first wait (x_empty) passes
@@ -480,16 +526,16 @@ def _consumer(out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_emp
                     o = o - lam * x_buf.load(o_layout).to(gl.float32)
                     mbarrier.arrive(x_empty, count=1)
             if CONSUMER == 0 or not DIFFERENTIAL:
-                rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-                cols = unit * VALUE_COLS + gl.arange(0, VALUE_COLS, layout=gl.SliceLayout(0, o_layout))
-                ptrs = out_ptr + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
-                gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+                _store_output(o, out_desc, out_ptr, q_smem, q_start, first_row, q_len, unit * VALUE_COLS, stride_ot,
+                              not DIFFERENTIAL)
+            if not DIFFERENTIAL:  # (its query buffer held the output on its way out)
+                mbarrier.arrive(q_empty.index(qi), count=1)
             q_count += 1
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "num_q_tiles", "min_dist", "cache_rows"])
 def gluon_prefill_kernel(
-    out_ptr, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr,
+    out_ptr, out_desc, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr,
     num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -502,6 +548,9 @@ def gluon_prefill_kernel(
     Args:
         out_ptr: ``[Tq, Hq, D]`` or, differential, ``[Tq, Hq / 2, 2D]`` (token stride
             ``stride_ot``, heads and dims dense).
+        out_desc: plain: a TMA descriptor over out ``[Tq, Hq * D]``, box ``[BLOCK_M, D]``
+            (a consumer's whole rows leave through it: :func:`_store_output`);
+            differential: unused (any descriptor).
         q_desc: TMA descriptor over q ``[Tq, Hq * D]``, box ``[2 BLOCK_M, D]`` (differential
             ``[BLOCK_M, D]``).
         k_desc, v_desc: TMA descriptors over K and V ``[rows, Hkv * D]``, box ``[BLOCK_N, D]``
@@ -554,12 +603,12 @@ def gluon_prefill_kernel(
                       k_empty, v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles,
                       min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
                       BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL)),
-         (_consumer, (out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles,
-                      qk_scale, min_dist, stride_ot, 0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED,
-                      OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR)),
-         (_consumer, (out_ptr, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles,
-                      qk_scale, min_dist, stride_ot, 1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED,
-                      OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR))],
+         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs,
+                      num_q_tiles, qk_scale, min_dist, stride_ot, 0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                      PAGED, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR)),
+         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs,
+                      num_q_tiles, qk_scale, min_dist, stride_ot, 1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                      PAGED, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
