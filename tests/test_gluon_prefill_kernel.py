@@ -248,9 +248,10 @@ def test_compiles_for_sm90():
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
-        # Triton 3.6 (the H200's) compiles every case without a spill; 3.9 (CI's) spills up to
-        # 16 / 48 bytes at D 128 with the consumers at 232 registers
-        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 64, row
+        # what ptxas counts as spills here are the kernel's arguments handed to the partitions
+        # once (paged and differential cases: up to 36 / 68 bytes on Triton 3.6, 28 / 60 on 3.9);
+        # the producer's loop at 40 registers spilled up to 96 / 128
+        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 96, row
 
 
 def _count_calls(monkeypatch, name: str) -> list:

@@ -43,16 +43,16 @@ class GluonTiles(NamedTuple):
         return f"{self.block_m}x{self.block_n} s{self.stages}" + " overlap" * self.overlap + " pingpong" * self.pingpong
 
 
-# H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon, the
-# day's last run, consumers at 232 registers): with both schedules 0.608 ms at B=8 S=2048 and 7.36 ms
-# for 64 sequences of 128-4096 tokens, against 0.636 / 7.91 with neither, 0.618 / 7.42 overlap only,
-# 0.661 / 7.79 pingpong only (the two runs before, at 240 registers, ranked them the same; 64x64 s3
-# with both: 0.641 / 7.93).
+# H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon; the
+# kernel of that day's first runs, consumers at 232 registers): with both schedules 0.608 ms at B=8
+# S=2048 and 7.36 ms for 64 sequences of 128-4096 tokens, against 0.636 / 7.91 with neither, 0.618 /
+# 7.42 overlap only, 0.661 / 7.79 pingpong only (the two runs before, at 240 registers, ranked them
+# the same; 64x64 s3 with both: 0.641 / 7.93). The kernel of 2026-12-02's last run: 0.547 / 6.71 ms.
 TILES = GluonTiles(overlap=True, pingpong=True)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
-# (2026-12-02, D 128): 0.966 ms at B=8 S=2048 (the Hopper prefill kernel's sequential schedule 0.958),
-# 10.40 ms for the 64 sequences (11.26); other tiles not timed.
+# (2026-12-02, D 128, the day's last run): 0.951 ms at B=8 S=2048 (the Hopper prefill kernel's
+# sequential schedule 0.953), 10.09 ms for the 64 sequences (11.17); other tiles not timed.
 DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True),
                       128: GluonTiles(64, 64, 2, overlap=True, pingpong=True)}
 

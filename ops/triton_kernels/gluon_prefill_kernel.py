@@ -9,7 +9,7 @@ softmax runs. Here each program holds three partitions:
 * a **producer** (the default partition, one warpgroup: TMA copies are issued by one
   thread) that streams a query tile and its key/value tiles into shared memory through
   TMA, ``STAGES`` key/value buffers deep, each buffer's arrival signalled on an mbarrier;
-* two **consumers** (one warpgroup each, 232 registers a thread; the producer keeps 40).
+* two **consumers** (one warpgroup each, 224 registers a thread; the producer keeps 56).
   Plain: consumer ``c`` owns query rows ``[c * BLOCK_M, (c + 1) * BLOCK_M)`` of the
   ``2 * BLOCK_M``-row tile.
   Per key tile: ``s = q kᵀ`` (wgmma from shared memory), the online softmax in registers,
@@ -78,9 +78,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # 3.9 async_load / async_store
 _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
 _tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
-# a consumer thread's registers; the producer warpgroup keeps the rest (40: at 240 and 24 it spilled
-# paged tiles' block ids and the differential schedule's in Triton 3.6, which sets them with setmaxnreg)
-CONSUMER_REGISTERS = gl.constexpr(232)
+# a consumer thread's registers; the producer warpgroup keeps the rest (56; Triton sets them with
+# setmaxnreg). At 232 / 40 the producer's loop spilled once it kept its sequence's metadata and sent
+# keys before values; at 224 no loop of either spills (Triton 3.6 and 3.9: what ptxas still counts
+# as spills, up to 36 / 68 bytes, are the kernel's arguments handed to the partitions once)
+CONSUMER_REGISTERS = gl.constexpr(224)
 
 
 @gluon.constexpr_function
@@ -211,6 +213,24 @@ def _gather_values(v_ptr, smem, bar, table_row, kv_start, kv_len, start, col, st
 
 
 @gluon.jit
+def _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, count, table_row, kv_start, kv_len, start, col, cache_rows,
+                 stride_vb, stride_vt, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 VALUE_COLS: gl.constexpr, STAGES: gl.constexpr):
+    """The values of keys ``start .. start + BLOCK_N`` into buffer ``count % STAGES`` once the
+    consumers have released it: TMA copies, or :func:`_gather_values` for the tile that holds
+    the sequence's last key."""
+    s = count % STAGES
+    mbarrier.wait(v_empty.index(s), ((count // STAGES) & 1) ^ 1)
+    if start + BLOCK_N > kv_len:
+        _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col, stride_vb,
+                       stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS)
+    else:
+        mbarrier.expect(v_ready.index(s), BLOCK_N * VALUE_COLS * (v_desc.dtype.primitive_bitwidth // 8))
+        _copy_kv_tile(v_desc, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col, cache_rows,
+                      PAGED, BLOCK_SIZE, BLOCK_N)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
               v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows,
               stride_vb, stride_vt, stride_bt,
@@ -219,7 +239,9 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
               DIFFERENTIAL: gl.constexpr):
     """Streams each work tile's queries and key/value tiles (diagonal first) into the
     buffers, waiting for both consumers to release a buffer (keys and values apart: a
-    consumer is done with a tile's keys one step before its values) before refilling it.
+    consumer is done with a tile's keys one step before its values) before refilling it;
+    a step's keys go out before the previous step's values (FlashAttention-3's producer
+    order: the keys, which a consumer needs first, need not wait for a value buffer).
     Differential: both components' queries and keys (two boxes each: ``q_bufs`` and
     ``k_bufs`` hold ``[component 1, component 2]`` pairs), values ``[v1 | v2]`` in one."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -249,21 +271,19 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
             for step in range(tile_hi):
                 start = (tile_hi - 1 - step) * BLOCK_N
                 s = kv_count % STAGES
-                phase = ((kv_count // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(s), phase)
+                mbarrier.wait(k_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), PARTS * BLOCK_N * HEAD_SIZE * ELEMENT_BYTES)
                 for part in gl.static_range(PARTS):
                     _copy_kv_tile(k_desc, k_bufs.index(s * PARTS + part), k_ready.index(s), table_row, kv_start,
                                   kv_len, start, col + part * HEAD_SIZE, cache_rows, PAGED, BLOCK_SIZE, BLOCK_N)
-                mbarrier.wait(v_empty.index(s), phase)
-                if start + BLOCK_N > kv_len:
-                    _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
-                                   stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS)
-                else:
-                    mbarrier.expect(v_ready.index(s), BLOCK_N * VALUE_COLS * ELEMENT_BYTES)
-                    _copy_kv_tile(v_desc, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col,
-                                  cache_rows, PAGED, BLOCK_SIZE, BLOCK_N)
+                if step > 0:
+                    _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, kv_count - 1, table_row, kv_start, kv_len,
+                                 start + BLOCK_N, col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N,
+                                 VALUE_COLS, STAGES)
                 kv_count += 1
+            if tile_hi > 0:
+                _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, kv_count - 1, table_row, kv_start, kv_len, 0,
+                             col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS, STAGES)
 
 
 # ----------------------------------------------------------------------------- consumers
