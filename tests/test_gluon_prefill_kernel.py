@@ -174,6 +174,36 @@ def test_many_sequences():
 
 @gpu
 @pytest.mark.gpu
+def test_one_unit_many_sequences():
+    """One query head (one head pair, differential) over 300 short sequences, some empty:
+    about 600 work tiles for 132 programs, whose consecutive tiles lie 132 query tiles apart
+    and skip sequences, so the sequence a program keeps (``_locate``) is left and searched
+    for again on most of its tiles."""
+    g = torch.Generator().manual_seed(11)
+    q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
+    q_lens[7] = q_lens[20] = q_lens[299] = 0
+    k_lens = [q + int(torch.randint(0, 90, (), generator=g)) for q in q_lens]
+    run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=12)
+    run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=13)
+
+
+@gpu
+@pytest.mark.gpu
+def test_strided_out():
+    """An ``out`` whose token stride exceeds ``Hq * D`` (heads of a wider buffer): the TMA
+    store of whole rows and the pointer stores of partial ones write its heads alone."""
+    batch = make_varlen_batch([300, 129, 64], [300, 200, 64], num_heads=8, num_kv_heads=2, head_size=128,
+                              dtype=torch.bfloat16, seed=14)
+    q, k, v, cu_q, cu_k = batch.attention_args()
+    wide = torch.full((q.shape[0], 10, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = gluon_prefill.varlen_prefill(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), out=wide[:, :8])
+    assert out.data_ptr() == wide.data_ptr()
+    assert_close_to_oracle(out, oracle_varlen(q, k, v, cu_q, cu_k))
+    assert bool(wide[:, 8:].isnan().all()), "heads past out's were written"
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("head_size", [64, 128])
 def test_paged(block_size, head_size):
@@ -248,10 +278,11 @@ def test_compiles_for_sm90():
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
-        # what ptxas counts as spills here are the kernel's arguments handed to the partitions
-        # once (paged and differential cases: up to 36 / 68 bytes on Triton 3.6, 28 / 60 on 3.9);
-        # the producer's loop at 40 registers spilled up to 96 / 128
-        assert row["spill_stores"] <= 64 and row["spill_loads"] <= 96, row
+        # what ptxas counts as spills here is reloaded once a work tile or a program, never a
+        # key step (paged at D 128: 20 / 52 bytes on Triton 3.6, up to 28 / 60 on 3.9;
+        # differential paged: 36 / 68 and 24 / 52); the producer's key loop at 40 registers
+        # spilled up to 96 / 128
+        assert row["spill_stores"] <= 40 and row["spill_loads"] <= 72, row
 
 
 def _count_calls(monkeypatch, name: str) -> list:
@@ -373,3 +404,8 @@ def test_launch_problems_are_named():
             gluon_prefill.varlen_prefill(*args, cu, cu)
     with pytest.raises(ValueError, match="out must have dense heads"):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, out=torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2])
+    with pytest.raises(ValueError, match="cu_seqlens_k must be int32"):
+        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu.long())
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([8]), torch.zeros(1, 2, dtype=torch.int32))

@@ -151,7 +151,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         lambda_full: ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
         scale: softmax scale, default ``D ** -0.5``; causal, window_right: visibility.
         out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer, q's dtype,
-            heads and dims dense.
+            heads and dims dense, its token stride and address 16-byte aligned (a TMA store
+            writes it).
         tiles: default :data:`TILES` (plain) or :data:`DIFFERENTIAL_TILES`.
 
     Returns:
@@ -160,7 +161,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         would be left unwritten.
 
     Raises:
-        ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
+        ValueError: tensors the kernel cannot read (:func:`launch_problem`) or metadata not
+            int32, before any launch.
     """
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
@@ -199,6 +201,10 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     differential = lambda_full is not None
     if (problem := launch_problem(q, k, v, out, differential)) is not None:
         raise ValueError(problem)
+    kv_name = "cu_seqlens_k" if block_table is None else "seq_lens"
+    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), (kv_name, kv_lens), ("block_table", block_table)):
+        if tensor is not None and tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (the kernel's metadata), got {tensor.dtype}")
     out = output_buffer(q, differential, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
@@ -226,6 +232,8 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     qk_scale = default_scale(scale, head_size) * LOG2E
     q_desc = _descriptor(q, num_tokens, tile_m)
     out_desc = q_desc if differential else _descriptor(out, num_tokens, tiles.block_m)  # (differential: unused)
+    # the output's TMA store reads a slice of a query buffer, laid out as q_desc's boxes
+    assert out_desc.layout == q_desc.layout, (out_desc.layout, q_desc.layout)
     args = (out, out_desc, q_desc, _descriptor(k, kv_rows, box),
             _descriptor(v, kv_rows, box, 1 + differential), v, cu_seqlens_q, kv_lens, block_table,
             q if lambda_full is None else lambda_full.contiguous(),  # (plain: a placeholder, never read)

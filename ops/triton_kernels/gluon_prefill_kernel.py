@@ -33,7 +33,7 @@ walk down, so it keeps its current sequence's metadata and searches ``cu_seqlens
 when a tile leaves it: on the H200 a binary search a tile, 3 to 7 dependent loads, cost ~8%
 of the consumers' time). The producer loads the next tile's queries while the consumers
 finish the current one (two query buffers); a consumer's whole output rows leave through
-its query buffer by one TMA store (:func:`_store_output`).
+its slice of the tile's query buffer by one TMA store (:func:`_store_output`).
 
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
@@ -76,12 +76,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 # Triton 3.6 (the H200's) names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global;
 # 3.9 async_load / async_store
-_tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
-_tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # a consumer thread's registers; the producer warpgroup keeps the rest (56; Triton sets them with
-# setmaxnreg). At 232 / 40 the producer's loop spilled once it kept its sequence's metadata and sent
-# keys before values; at 224 no loop of either spills (Triton 3.6 and 3.9: what ptxas still counts
-# as spills, up to 36 / 68 bytes, are the kernel's arguments handed to the partitions once)
+# setmaxnreg). At 232 / 40 the producer's key loop spilled once it kept its sequence's metadata and
+# sent keys before values; at 224 / 56 no key step reloads a spilled value (Triton 3.6 and 3.9: what
+# ptxas still counts, up to 36 / 68 bytes in the paged and differential paged cases, is reloaded
+# once a work tile or once a program)
 CONSUMER_REGISTERS = gl.constexpr(224)
 
 
@@ -238,10 +239,10 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
               DIFFERENTIAL: gl.constexpr):
     """Streams each work tile's queries and key/value tiles (diagonal first) into the
-    buffers, waiting for both consumers to release a buffer (keys and values apart: a
-    consumer is done with a tile's keys one step before its values) before refilling it;
-    a step's keys go out before the previous step's values (FlashAttention-3's producer
-    order: the keys, which a consumer needs first, need not wait for a value buffer).
+    buffers, waiting for both consumers to release a buffer (keys and values apart: with
+    ``OVERLAP`` a consumer is done with a tile's keys one step before its values) before
+    refilling it; a step's keys go out before the previous step's values (FlashAttention-3's
+    producer order: the keys, which a consumer needs first, need not wait for a value buffer).
     Differential: both components' queries and keys (two boxes each: ``q_bufs`` and
     ``k_bufs`` hold ``[component 1, component 2]`` pairs), values ``[v1 | v2]`` in one."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -466,9 +467,9 @@ def _normalize(acc, l):
 def _store_output(o, out_desc, out_ptr, stage, q_start, first_row, q_len, col, stride_ot, TMA: gl.constexpr):
     """A consumer's normalized rows ``o`` (``[BLOCK_M, cols]`` fp32) into ``out`` from row
     ``q_start + first_row``, column ``col``: when ``TMA`` and every row is the sequence's,
-    staged in ``stage`` (the consumer's query buffer, its last ``q kᵀ`` retired) and copied by
-    one TMA store, waited for until it has read ``stage``; else by masked pointer stores (the
-    rows past ``q_len`` belong to the next sequence)."""
+    staged in ``stage`` (the consumer's ``BLOCK_M``-row slice of the query buffer, its last
+    ``q kᵀ`` retired) and copied by one TMA store, waited for until it has read ``stage``;
+    else by masked pointer stores (the rows past ``q_len`` belong to the next sequence)."""
     BLOCK_M: gl.constexpr = o.shape[0]
     COLS: gl.constexpr = o.shape[1]
     if TMA and first_row + BLOCK_M <= q_len:
