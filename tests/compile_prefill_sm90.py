@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_sm90 import compile_for_sm90, ptxas_usage, record_launches  # noqa: E402
+from compile_sm90 import compile_launches, record_launches  # noqa: E402
 
 
 def recorded_launches() -> list[tuple[str, object, dict, dict]]:
@@ -69,15 +69,13 @@ PAGED_CASES = ((16, None), (64, {(128, False)}), (256, {(128, False)}))
 def main() -> None:
     from compiled_attn.ops.triton_kernels import prefill
 
+    launches = recorded_launches()
     report = []
-    for case, kernel, kwargs, options in recorded_launches():
-        compiled = compile_for_sm90(kernel, kwargs, options)
-        assert "cubin" in compiled.asm, "no cubin"
+    for (case, _, kwargs, options), usage in zip(launches, compile_launches(launches)):
         tiles = prefill.PrefillTiles(kwargs["BLOCK_M"], kwargs["BLOCK_N"], options["num_warps"],
                                      options["num_stages"], kwargs["VALUE_SPLIT"], kwargs["OVERLAP"],
                                      kwargs["SEQUENTIAL"]).label()
-        report.append({"case": case, "tiles": tiles, "shared": compiled.metadata.shared,
-                       **ptxas_usage(compiled.asm["ptx"])})
+        report.append({"case": case, "tiles": tiles, **usage})
     print(json.dumps(report))
 
 

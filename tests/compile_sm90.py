@@ -6,8 +6,9 @@ makes them, split into flash-decoding partials; ``python compile_sm90.py gluon``
 prefill kernel (``gluon_prefill``), contiguous and paged. Run in a process without
 ``TRITON_INTERPRET``: the launcher runs on small CPU tensors with its launches recorded
 instead of made (as ``kernel_writes.py``), then each recorded launch goes through
-``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, every stage down to the cubin
-(Triton's bundled ptxas), and ``ptxas -v`` of its PTX counts registers and spills. Prints
+``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` (one forked process a core), every
+stage down to the cubin (Triton's bundled ptxas), and ``ptxas -v`` of its PTX counts
+registers and spills. Prints
 one JSON list of ``{case, kernel, shared, registers, spill_stores, spill_loads}`` (shared
 memory bytes, registers a thread); a kernel that does not type-check or lower raises.
 ``test_attention_backward_kernel.py`` and ``test_kernel_registers.py`` run it.
@@ -16,6 +17,8 @@ memory bytes, registers a thread); a kernel that does not type-check or lower ra
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -185,14 +188,29 @@ def ptxas_usage(ptx: str) -> dict:
     return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "wgmma_serialized": serialized}
 
 
+_LAUNCHES: list = []  # what compile_launches' forked workers compile, by index
+
+
+def _compile_one(index: int) -> dict:
+    case, kernel, kwargs, options = _LAUNCHES[index]
+    compiled = compile_for_sm90(kernel, kwargs, options)
+    assert "cubin" in compiled.asm, f"{case}: no cubin"
+    return {"shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"])}
+
+
+def compile_launches(launches: list) -> list[dict]:
+    """``{shared, registers, spill_stores, spill_loads, wgmma_serialized}`` of each recorded
+    launch (:func:`compile_for_sm90`, :func:`ptxas_usage`), in one forked process a core
+    (the launches reach them by inheritance, not pickling); a failure raises here."""
+    _LAUNCHES[:] = launches
+    with multiprocessing.get_context("fork").Pool(min(len(launches), os.cpu_count() or 1)) as pool:
+        return pool.map(_compile_one, range(len(launches)), chunksize=1)
+
+
 def main() -> None:
     launches = {"backward": backward_launches, "decode": decode_launches, "gluon": gluon_launches}[sys.argv[1]]()
-    report = []
-    for case, kernel, kwargs, options in launches:
-        compiled = compile_for_sm90(kernel, kwargs, options)
-        assert "cubin" in compiled.asm, "no cubin"
-        report.append({"case": case, "kernel": kernel.fn.__name__, "shared": compiled.metadata.shared,
-                       **ptxas_usage(compiled.asm["ptx"])})
+    report = [{"case": case, "kernel": kernel.fn.__name__, **usage}
+              for (case, kernel, _, _), usage in zip(launches, compile_launches(launches))]
     print(json.dumps(report))
 
 

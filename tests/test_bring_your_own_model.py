@@ -47,7 +47,9 @@ def test_bring_your_own_model_compiles_once_per_step_kind():
 def test_several_models_in_one_process_with_compiled_function():
     """The README's remedy for Dynamo's shared budget: five models of other widths (more
     than the 8 graphs one ``torch.compile`` cache allows), each compiled with
-    ``CompiledFunction``: no limit hit, tokens equal eager."""
+    ``CompiledFunction``: no limit hit, tokens equal eager. The budget is Dynamo's, whatever
+    the backend: the first model goes through Inductor, the others through ``aot_eager``
+    (Inductor's code for them took ~40 of this test's 55 s on CI's machine)."""
     from compiled_attn.compile import CompiledFunction
 
     names = readme_example()
@@ -55,7 +57,8 @@ def test_several_models_in_one_process_with_compiled_function():
     for width in (32, 48, 64, 80, 96):  # 10 graphs
         torch.manual_seed(width)
         model = names["TinyDecoder"](dim=width).eval()
-        compiled = generate(model, prompts, 6, compiler=CompiledFunction)
+        backend = {} if width == 32 else {"backend": "aot_eager"}
+        compiled = generate(model, prompts, 6, compiler=CompiledFunction, **backend)
         assert torch.equal(compiled, generate(model, prompts, 6, compile=False))
 
 
