@@ -8,9 +8,9 @@ prefill kernel (``gluon_prefill``), contiguous and paged. Run in a process witho
 instead of made (as ``kernel_writes.py``), then each recorded launch goes through
 ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` (one forked process a core), every
 stage down to the cubin (Triton's bundled ptxas), and ``ptxas -v`` of its PTX counts
-registers and spills. Prints
-one JSON list of ``{case, kernel, shared, registers, spill_stores, spill_loads}`` (shared
-memory bytes, registers a thread); a kernel that does not type-check or lower raises.
+registers and spills. Prints one JSON list of ``{case, kernel, shared, registers,
+spill_stores, spill_loads, wgmma_serialized}`` (shared memory bytes, registers a thread);
+a kernel that does not type-check or lower raises.
 ``test_attention_backward_kernel.py`` and ``test_kernel_registers.py`` run it.
 """
 

@@ -397,8 +397,8 @@ def test_launch_problems_are_named():
     assert gluon_prefill.launch_problem(q, kv, kv, None) is None
     for args, match in (((q.float(), kv.float(), kv.float()), "float16 or bfloat16"),
                         ((q[..., :64].contiguous(), kv, kv), "head size"),
-                        ((torch.zeros(8, 4, 96, dtype=torch.bfloat16),) + (torch.zeros(8, 2, 96, dtype=torch.bfloat16),) * 2,
-                         "head size"),
+                        ((torch.zeros(8, 4, 96, dtype=torch.bfloat16),)
+                         + (torch.zeros(8, 2, 96, dtype=torch.bfloat16),) * 2, "head size"),
                         ((torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2], kv, kv), "q must have dense heads")):
         with pytest.raises(ValueError, match=match):
             gluon_prefill.varlen_prefill(*args, cu, cu)
