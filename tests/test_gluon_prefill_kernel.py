@@ -389,8 +389,8 @@ def test_paged_prefill_in_a_cuda_graph(monkeypatch):
 
 
 def test_launch_problems_are_named():
-    """The launchers refuse what the kernel cannot read with a ValueError naming the tensor,
-    before any launch (CPU tensors: the check runs first)."""
+    """The launchers refuse what the kernel cannot read with a ValueError (metadata of another
+    dtype: a TypeError) naming the tensor, before any launch (CPU tensors: the check runs first)."""
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
     kv = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -404,8 +404,8 @@ def test_launch_problems_are_named():
             gluon_prefill.varlen_prefill(*args, cu, cu)
     with pytest.raises(ValueError, match="out must have dense heads"):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, out=torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2])
-    with pytest.raises(ValueError, match="cu_seqlens_k must be int32"):
+    with pytest.raises(TypeError, match=r"cu_seqlens_k must have dtype in \(torch.int32\), got torch.int64"):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu.long())
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="seq_lens must be int32"):
+    with pytest.raises(TypeError, match=r"seq_lens must have dtype in \(torch.int32\), got torch.int64"):
         gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([8]), torch.zeros(1, 2, dtype=torch.int32))

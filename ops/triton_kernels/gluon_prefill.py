@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..attention import default_scale, output_buffer
+from ..validation import check_dtype
 from .launch_utils import device_guard, multiprocessor_count
 from .prefill import is_hopper
 
@@ -161,8 +162,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         would be left unwritten.
 
     Raises:
-        ValueError: tensors the kernel cannot read (:func:`launch_problem`) or metadata not
-            int32, before any launch.
+        ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
+        TypeError: metadata not int32 (``validation.check_dtype``), before any launch.
     """
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
@@ -203,8 +204,8 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
         raise ValueError(problem)
     kv_name = "cu_seqlens_k" if block_table is None else "seq_lens"
     for name, tensor in (("cu_seqlens_q", cu_seqlens_q), (kv_name, kv_lens), ("block_table", block_table)):
-        if tensor is not None and tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 (the kernel's metadata), got {tensor.dtype}")
+        if tensor is not None:
+            check_dtype(name, tensor, (torch.int32,))
     out = output_buffer(q, differential, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
