@@ -34,9 +34,10 @@ from compiled_attn.results import ResultRow, write_results
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 # Tiles of the Gluon prefill kernel timed beside its default (gluon_prefill.GluonTiles: block_m a
-# consumer, block_n, stages, overlap, pingpong). 2026-12-02, before overlap and pingpong existed:
-# 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither schedule,
-# overlap alone and pingpong alone lost to both (results/kernels.md, 2026-12-02): none timed now.
+# consumer, block_n, stages, overlap, pingpong, dynamic). 2026-12-02, before overlap and pingpong
+# existed: 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither
+# schedule, overlap alone and pingpong alone lost to both; the dynamic schedule lost 0.4-2.3% for
+# plain attention (results/kernels.md, 2026-12-02): none timed now.
 GLUON_SWEEP: tuple[tuple, ...] = ()
 
 
@@ -357,14 +358,11 @@ def flash_rows() -> list[ResultRow]:
             values = v.reshape(v.shape[0], HKV // 2, 2 * D)
             return flash(q[:, 0::2], k[:, 0::2], values), flash(q[:, 1::2], k[:, 1::2], values)
 
-        def four_calls():
-            outs = [flash(q[:, i::2], k[:, i::2], v[:, j::2]) for i in (0, 1) for j in (0, 1)]
-            return torch.cat(outs[:2], dim=-1) - lam[:, None] * torch.cat(outs[2:], dim=-1)
-
         plain = {"flash-attn 4": _queued_ms(lambda: flash(q, k, v)),
                  "our unified kernel": _queued_ms(lambda: unified_varlen(q, k, v, cu, cu)),
                  "op": _queued_ms(lambda: ops.varlen_attention(q, k, v, cu, cu))}
-        diff = {"flash-attn 4 two calls": _queued_ms(two_calls), "flash-attn 4 four calls": _queued_ms(four_calls),
+        diff = {"flash-attn 4 two calls": _queued_ms(two_calls),
+                "flash-attn 4 four calls": _queued_ms(lambda: _four_calls(fa4, q, k, v, cu, lam)),
                 "our unified kernel, fused": _queued_ms(lambda: unified_varlen(q, k, v, cu, cu, lam)),
                 "backend's two calls": _queued_ms(lambda: flash_backend.run(library, "differential", q, k, v, cu, cu,
                                                                            lam, D ** -0.5, True, -1, -1, 0.0)),
@@ -449,6 +447,15 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
                       "hopper ms", ms["ours hopper"], ">= 1.0")]
 
 
+def _four_calls(fa4, q, k, v, cu, lam):
+    """The seed's differential prefill on ``fa4``: four causal varlen calls (each query
+    component against each value component, heads ``2j``/``2j + 1`` of pair ``j``), the
+    halves joined and combined ``o_1 - lambda * o_2`` (``[Tq, Hq / 2, 2D]``)."""
+    outs = [fa4(q[:, i::2], k[:, i::2], v[:, j::2], cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0]
+            for i in (0, 1) for j in (0, 1)]
+    return torch.cat(outs[:2], dim=-1) - lam[:, None] * torch.cat(outs[2:], dim=-1)
+
+
 def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[ResultRow]:
     """The warp-specialized Gluon prefill kernel (``gluon_prefill``), causal, on the two
     varlen batches: plain at its default tiles and each of :data:`GLUON_SWEEP` against
@@ -510,6 +517,10 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
                                                                     cu_seqlens_k=cu, causal=True)))
             rows.append(ResultRow(f"prefill {case} differential: gluon fused / flash-attn 4 two calls, kernels only",
                                   "ms", gluon_diff, "flash-attn 4 ms", two_kernels, "<= 1.0"))
+            # the seed's formulation (vLLM 0.10.2's differential backend): four calls, v1 and v2 apart, and the combine
+            four_calls = _queued_ms(lambda: _four_calls(fa4, q, k, v, cu, lam))
+            rows.append(ResultRow(f"prefill {case} differential: flash-attn 4 four calls (the seed's) / gluon fused",
+                                  "ms", four_calls, "gluon ms", gluon_diff, ">= 1.9"))
         if case == "B=8 S=2048":
             q4, k4, v4 = (t.view(len(lens), lens[0], -1, D).transpose(1, 2) for t in (q, k, v))
             k4, v4 = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k4, v4))

@@ -39,7 +39,8 @@ gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and 
 SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.GluonTiles(),
              "overlap": gluon_prefill.GluonTiles(overlap=True),
              "pingpong": gluon_prefill.GluonTiles(pingpong=True),
-             "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True)}
+             "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True),
+             "dynamic": gluon_prefill.TILES._replace(dynamic=True)}
 
 
 def run_varlen(q_lens, k_lens=None, *, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
@@ -122,7 +123,9 @@ def test_schedules(schedule):
 def test_differential(head_size, per_pair):
     """The fused differential schedule (components on the two consumers, ``o_2`` handed over
     in shared memory): causal varlen at the real tiles, GQA 4 (4 pairs on one KV pair), fp16,
-    non-causal over whole key tiles, and paged blocks of 16 and 64."""
+    non-causal over whole key tiles, paged blocks of 16 and 64, and the real tiles without
+    the two overlaps and with the other tile schedule (round-robin, the default being
+    dynamic)."""
     lam = make_lambda(8, per_pair=per_pair, seed=head_size)
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=head_size + per_pair)
     run_varlen([257, 64], [300, 64], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.float16, lam=lam,
@@ -131,8 +134,9 @@ def test_differential(head_size, per_pair):
     for block_size in (16, 64):
         run_paged([(0, 130), (1000, 300), (17, 1), (5, 200), pad(3), (33, 64)], block_size=block_size,
                   head_size=head_size, lam=lam, seed=block_size)
-    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5,
-               tiles=gluon_prefill.DIFFERENTIAL_TILES[head_size]._replace(overlap=False, pingpong=False))
+    tiles = gluon_prefill.DIFFERENTIAL_TILES[head_size]
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5, tiles=tiles._replace(overlap=False, pingpong=False))
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=6, tiles=tiles._replace(dynamic=not tiles.dynamic))
 
 
 @gpu
@@ -176,9 +180,10 @@ def test_many_sequences():
 @pytest.mark.gpu
 def test_one_unit_many_sequences():
     """One query head (one head pair, differential) over 300 short sequences, some empty:
-    about 600 work tiles for 132 programs, whose consecutive tiles lie 132 query tiles apart
-    and skip sequences, so the sequence a program keeps (``_locate``) is left and searched
-    for again on most of its tiles."""
+    about 600 work tiles for 132 programs, whose consecutive tiles lie at least 132 query
+    tiles apart (round-robin plain, claimed differential) and skip one sequence or several,
+    so the sequence a program keeps (``_locate``) is left on most of its tiles and found
+    again as the one before (``_seek``'s first test) or by the binary search."""
     g = torch.Generator().manual_seed(11)
     q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
     q_lens[7] = q_lens[20] = q_lens[299] = 0
@@ -279,10 +284,10 @@ def test_compiles_for_sm90():
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
         # what ptxas counts as spills here is reloaded once a work tile or a program, never a
-        # key step (paged at D 128: 20 / 52 bytes on Triton 3.6, up to 28 / 60 on 3.9;
-        # differential paged: 36 / 68 and 24 / 52); the producer's key loop at 40 registers
+        # key step (paged at D 128: none on Triton 3.6, up to 16 / 32 bytes on 3.9;
+        # differential paged: 24 / 24 and 12 / 12); the producer's key loop at 40 registers
         # spilled up to 96 / 128
-        assert row["spill_stores"] <= 40 and row["spill_loads"] <= 72, row
+        assert row["spill_stores"] <= 32 and row["spill_loads"] <= 48, row
 
 
 def _count_calls(monkeypatch, name: str) -> list:

@@ -72,9 +72,9 @@ GLUON_PREFILL = True
 where it covers the call, before the routes above: ``varlen_attention`` calls
 :func:`gluon_takes_varlen` takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes.
 On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, ``profiling/bench_kernels.py
---parts gluon``, the day's last run) it took 0.547 ms at B=8 S=2048 against 0.749 for the
-Hopper prefill kernel and 0.556 for flash-attn 4 (6.71 / 8.36 / 6.47 ms for 64 sequences of
-128-4096 tokens), and paged prefill (512 new tokens after 4096 cached, block 16) 0.574 ms
+--parts gluon``, the day's last run) it took 0.570 ms at B=8 S=2048 against 0.746 for the
+Hopper prefill kernel and 0.569 for flash-attn 4 (6.97 / 8.50 / 6.70 ms for 64 sequences of
+128-4096 tokens), and paged prefill (512 new tokens after 4096 cached, block 16) 0.590 ms
 against 0.817 for the Hopper kernel's paged path (2026-12-01) and 1.161 for the unified
 kernel, which served it.
 Read at each call, and at trace time: a graph traced or captured with it off keeps the
@@ -84,10 +84,11 @@ be traced into Inductor's code: ``ops/backends.py``)."""
 GLUON_DIFFERENTIAL = False
 """Whether differential calls the Gluon kernel covers run there too (its fused schedule: the
 two components on its two consumer warpgroups). Its GPU tests passed on the H200 (2026-12-02),
-where it took 0.951 ms at B=8 S=2048 against 0.953 for the Hopper prefill kernel's sequential
-schedule and 0.972 for flash-attn 4's two calls, 10.09 / 11.17 / 11.36 ms for 64 sequences of
-128-4096 tokens, and paged (512 after 4096 cached, block 16) 0.850 ms, where the unified kernel
-serves the paged calls today (2.105 ms on 2026-12-01). Off until the GPU tests of the routes it
+where (the day's last run, its dynamic schedule) it took 0.899 ms at B=8 S=2048 against 0.976
+for the Hopper prefill kernel's sequential schedule and 0.999 for flash-attn 4's two calls,
+10.53 / 11.54 / 11.76 ms for 64 sequences of 128-4096 tokens, and paged (512 after 4096 cached,
+block 16) 0.875 ms, where the unified kernel serves the paged calls today (2.105 ms on
+2026-12-01). Off until the GPU tests of the routes it
 would change (``test_gpu_compile``'s traced differential call, the engine's) have run with it on."""
 
 

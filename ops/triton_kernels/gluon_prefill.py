@@ -31,31 +31,38 @@ HEAD_SIZES = (64, 128)
 class GluonTiles(NamedTuple):
     """``block_m`` query rows a consumer (the work tile is ``2 * block_m``), ``block_n`` keys
     a step, ``stages`` key/value buffers; ``overlap`` and ``pingpong``: FlashAttention-3's
-    intra- and inter-warpgroup schedules (the kernel's ``OVERLAP``, ``PINGPONG``)."""
+    intra- and inter-warpgroup schedules (the kernel's ``OVERLAP``, ``PINGPONG``);
+    ``dynamic``: work tiles claimed from an atomic counter, not dealt round-robin (the
+    kernel's ``DYNAMIC``; a zeroed ``[1]`` int32 counter a launch)."""
 
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
     overlap: bool = False
     pingpong: bool = False
+    dynamic: bool = False
 
     def label(self) -> str:
-        """``64x128 s2`` with `` overlap`` / `` pingpong`` where set (benchmark rows)."""
-        return f"{self.block_m}x{self.block_n} s{self.stages}" + " overlap" * self.overlap + " pingpong" * self.pingpong
+        """``64x128 s2`` with `` overlap`` / `` pingpong`` / `` dynamic`` where set (benchmark
+        rows)."""
+        schedules = " overlap" * self.overlap + " pingpong" * self.pingpong + " dynamic" * self.dynamic
+        return f"{self.block_m}x{self.block_n} s{self.stages}{schedules}"
 
 
 # H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, profiling/bench_kernels.py --parts gluon; the
 # kernel of that day's first runs, consumers at 232 registers): with both schedules 0.608 ms at B=8
 # S=2048 and 7.36 ms for 64 sequences of 128-4096 tokens, against 0.636 / 7.91 with neither, 0.618 /
 # 7.42 overlap only, 0.661 / 7.79 pingpong only (the two runs before, at 240 registers, ranked them
-# the same; 64x64 s3 with both: 0.641 / 7.93). The kernel of 2026-12-02's last run: 0.547 / 6.71 ms.
+# the same; 64x64 s3 with both: 0.641 / 7.93). The kernel of 2026-12-02's last runs: 0.570 / 6.97 ms
+# (flash-attn 4 0.569 / 6.70 in that call); with `dynamic` 0.572 / 7.01 (two calls: 0.4-2.3% slower).
 TILES = GluonTiles(overlap=True, pingpong=True)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
-# (2026-12-02, D 128, the day's last run): 0.951 ms at B=8 S=2048 (the Hopper prefill kernel's
-# sequential schedule 0.953), 10.09 ms for the 64 sequences (11.17); other tiles not timed.
-DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True),
-                      128: GluonTiles(64, 64, 2, overlap=True, pingpong=True)}
+# (2026-12-02, D 128, the day's last runs): dynamic 0.874 ms at B=8 S=2048 against 0.957 round-robin
+# in the same call (the Hopper prefill kernel's sequential schedule 0.96-1.00), 10.30 against 10.23
+# for the 64 sequences (11.29); other tiles not timed.
+DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True, dynamic=True),
+                      128: GluonTiles(64, 64, 2, overlap=True, pingpong=True, dynamic=True)}
 
 
 @functools.cache
@@ -238,11 +245,13 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     args = (out, out_desc, q_desc, _descriptor(k, kv_rows, box),
             _descriptor(v, kv_rows, box, 1 + differential), v, cu_seqlens_q, kv_lens, block_table,
             q if lambda_full is None else lambda_full.contiguous(),  # (plain: a placeholder, never read)
+            # the tiles handed out past the first wave (static schedule: a placeholder, never read)
+            torch.zeros(1, dtype=torch.int32, device=q.device) if tiles.dynamic else cu_seqlens_q,
             num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0), stride_vb, stride_vt, stride_bt)
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
                       OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, DIFFERENTIAL=differential,
-                      LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1)
+                      LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1, DYNAMIC=tiles.dynamic)
     units = num_heads // 2 if differential else num_heads
     grid = (min(units * num_q_tiles, multiprocessor_count(q.device)),)
     with device_guard(q):

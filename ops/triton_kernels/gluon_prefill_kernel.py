@@ -25,15 +25,21 @@ softmax runs. Here each program holds three partitions:
   to consumer 0 through shared memory, which writes ``o_1 - lambda * o_2``.
 
 The program is **persistent**: ``min(work tiles, multiprocessors)`` programs walk the work
-tiles ``pid, pid + programs, ...``, a tile being one query head and ``2 * BLOCK_M`` query
-tokens of one sequence (differential: one head pair and ``BLOCK_M`` tokens), units (heads or
-pairs) fastest and query tiles reversed, so the heaviest (causal: last) tiles start first
-(:func:`_locate`: the varlen bound of :mod:`.prefill_kernel`; a program's query tiles only
-walk down, so it keeps its current sequence's metadata and searches ``cu_seqlens_q`` only
-when a tile leaves it: on the H200 a binary search a tile, 3 to 7 dependent loads, cost ~8%
-of the consumers' time). The producer loads the next tile's queries while the consumers
-finish the current one (two query buffers); a consumer's whole output rows leave through
-its slice of the tile's query buffer by one TMA store (:func:`_store_output`).
+tiles, a tile being one query head and ``2 * BLOCK_M`` query tokens of one sequence
+(differential: one head pair and ``BLOCK_M`` tokens), units (heads or pairs) fastest and
+query tiles reversed, so the heaviest (causal: last) tiles start first. ``DYNAMIC`` off: a
+program takes tiles ``pid, pid + programs, ...``; on: its first is ``pid``, and each next
+one is claimed from a counter (``programs + atomic_add``) when the current one starts
+(FlashAttention-3's dynamic persistent scheduler), so no program is left with a tail of
+heavy tiles. Either way a program's tiles rise, its query tiles only walk down: the producer
+keeps its current sequence's metadata and reads ``cu_seqlens_q`` only when a tile leaves it
+(:func:`_locate`, :func:`_seek`: the varlen bound of :mod:`.prefill_kernel`; on the H200 a
+binary search a tile, 3 to 7 dependent loads, cost ~8% of the consumers' time), and posts
+each tile's fields beside its query buffer (:func:`_post_tile`): the consumers take them
+with the queries (:func:`_take_tile`) and never search. The producer loads the next tile's
+queries while the consumers finish the current one (two query buffers); a consumer's whole
+output rows leave through its slice of the tile's query buffer by one TMA store
+(:func:`_store_output`).
 
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
@@ -78,11 +84,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # 3.9 async_load / async_store
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# a barrier of the calling partition's warps: 3.6 thread_barrier, 3.9 barrier
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # a consumer thread's registers; the producer warpgroup keeps the rest (56; Triton sets them with
 # setmaxnreg). At 232 / 40 the producer's key loop spilled once it kept its sequence's metadata and
-# sent keys before values; at 224 / 56 no key step reloads a spilled value (Triton 3.6 and 3.9: what
-# ptxas still counts, up to 36 / 68 bytes in the paged and differential paged cases, is reloaded
-# once a work tile or once a program)
+# sent keys before values; at 224 / 56 no key step reloads a spilled value (what ptxas still counts
+# in the paged cases, Triton 3.6 up to 24 / 24 bytes, 3.9 up to 16 / 32, is reloaded once a work
+# tile or once a program)
 CONSUMER_REGISTERS = gl.constexpr(224)
 
 
@@ -107,19 +115,24 @@ def _gather_layout(cols):
 def _seek(q_tile, seq, cu_seqlens_q_ptr, kv_lens_ptr, TILE_M: gl.constexpr, PAGED: gl.constexpr):
     """``(seq, first_tile, q_start, q_len, kv_start, kv_len)`` of the sequence that owns
     query tile ``q_tile`` of the varlen bound (sequence ``b`` owns the tiles from
-    ``first_tile(b) = cu_seqlens_q[b] // TILE_M + b`` on), found by binary search below
-    ``seq`` (the owner is at most ``seq - 1``; at most ``B - 1`` from ``seq = B``: tokens
-    past ``cu_seqlens_q[B]``, which the op's contract rules out, fall in sequence ``B -
-    1``'s empty tiles, never past the metadata)."""
+    ``first_tile(b) = cu_seqlens_q[b] // TILE_M + b`` on), below ``seq``: sequence ``seq -
+    1`` (the usual case: one load decides), else a binary search below it (from ``seq =
+    B``: at most ``B - 1``; tokens past ``cu_seqlens_q[B]``, which the op's contract rules
+    out, fall in sequence ``B - 1``'s empty tiles, never past the metadata)."""
     right = seq - 1
-    seq = 0
-    while seq < right:
-        mid = (seq + right + 1) // 2
-        if gl.load(cu_seqlens_q_ptr + mid) // TILE_M + mid <= q_tile:
-            seq = mid
-        else:
-            right = mid - 1
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    q_start = gl.load(cu_seqlens_q_ptr + right)
+    if q_start // TILE_M + right <= q_tile:
+        seq = right
+    else:
+        right -= 1
+        seq = 0
+        while seq < right:
+            mid = (seq + right + 1) // 2
+            if gl.load(cu_seqlens_q_ptr + mid) // TILE_M + mid <= q_tile:
+                seq = mid
+            else:
+                right = mid - 1
+        q_start = gl.load(cu_seqlens_q_ptr + seq)
     q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if PAGED:
         kv_start = 0
@@ -136,10 +149,11 @@ def _locate(tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_
     """``(unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len)`` of work tile
     ``tile``: unit (query head or pair) ``tile % UNITS``, query tile ``num_q_tiles - 1 - tile
     // UNITS`` of the varlen bound, whose first query row in its sequence is ``q_first``
-    (``>= q_len``: an empty tile). A program's tiles walk the query tiles down, so the
-    sequence of its last tile (``seq .. kv_len``; ``seq = B``, ``first_tile = num_q_tiles``
-    before the first) serves until a tile falls below its ``first_tile``: then
-    :func:`_seek` reads the metadata (a few times a program, not a binary search a tile)."""
+    (``>= q_len``: an empty tile). A program's tiles walk the query tiles down (static or
+    dynamic schedule), so the sequence of its last tile (``seq .. kv_len``; ``seq = B``,
+    ``first_tile = num_q_tiles`` before the first) serves until a tile falls below its
+    ``first_tile``: then :func:`_seek` reads the metadata (a few times a program, not a
+    binary search a tile)."""
     unit = tile % UNITS
     q_tile = num_q_tiles - 1 - tile // UNITS
     if q_tile < first_tile:
@@ -167,6 +181,50 @@ def _tile_rows(q_first, BLOCK_M: gl.constexpr, CONSUMER: gl.constexpr, DIFFERENT
         return q_first
     else:
         return q_first + CONSUMER * BLOCK_M
+
+
+# A posted work tile (:func:`_post_tile`): its fields, in one row of int32 (unit -1: no more tiles)
+POST_UNIT, POST_Q_FIRST, POST_Q_START, POST_Q_LEN, POST_KV_LEN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), \
+    gl.constexpr(3), gl.constexpr(4)
+POST_FIELDS = gl.constexpr(8)
+
+
+@gluon.constexpr_function
+def _post_layout():
+    """A posted tile's ``POST_FIELDS`` int32 over a warpgroup, every thread holding them all."""
+    return gl.BlockedLayout([8], [32], [4], [0])
+
+
+@gluon.jit
+def _post_tile(slot, unit, q_first, q_start, q_len, kv_len):
+    """The producer: a work tile's fields into ``slot`` (``[POST_FIELDS]`` int32 beside a
+    query buffer), before the buffer's ``q_ready`` arrival publishes them (the barrier:
+    every producer thread's store lands before the arriving thread's release)."""
+    field = gl.arange(0, POST_FIELDS, layout=_post_layout())
+    row = gl.where(field == POST_UNIT, unit, gl.where(field == POST_Q_FIRST, q_first, gl.where(
+        field == POST_Q_START, q_start, gl.where(field == POST_Q_LEN, q_len, kv_len))))
+    slot.store(row)
+    _partition_barrier()
+
+
+@gluon.jit
+def _field(row, index: gl.constexpr):
+    """Field ``index`` of a posted tile's ``row`` (every thread holds the row: the max over
+    one value)."""
+    field = gl.arange(0, POST_FIELDS, layout=_post_layout())
+    return gl.max(gl.where(field == index, row, -2147483648), axis=0)
+
+
+@gluon.jit
+def _take_tile(posts, q_ready, q_count):
+    """A consumer: ``(unit, q_first, q_start, q_len, kv_len)`` of the work tile the producer
+    posted with query buffer ``q_count % 2`` (waits for its ``q_ready``; unit -1: no more
+    tiles)."""
+    qi = q_count % 2
+    mbarrier.wait(q_ready.index(qi), (q_count // 2) & 1)
+    row = posts.index(qi).load(_post_layout())
+    return (_field(row, POST_UNIT), _field(row, POST_Q_FIRST), _field(row, POST_Q_START), _field(row, POST_Q_LEN),
+            _field(row, POST_KV_LEN))
 
 
 # ----------------------------------------------------------------------------- producer
@@ -232,19 +290,21 @@ def _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, count, table_row, kv_s
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows,
-              stride_vb, stride_vt, stride_bt,
+def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs,
+              num_q_tiles, min_dist, cache_rows, stride_vb, stride_vt, stride_bt,
               NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-              DIFFERENTIAL: gl.constexpr):
+              DIFFERENTIAL: gl.constexpr, DYNAMIC: gl.constexpr):
     """Streams each work tile's queries and key/value tiles (diagonal first) into the
     buffers, waiting for both consumers to release a buffer (keys and values apart: with
     ``OVERLAP`` a consumer is done with a tile's keys one step before its values) before
     refilling it; a step's keys go out before the previous step's values (FlashAttention-3's
     producer order: the keys, which a consumer needs first, need not wait for a value buffer).
     Differential: both components' queries and keys (two boxes each: ``q_bufs`` and
-    ``k_bufs`` hold ``[component 1, component 2]`` pairs), values ``[v1 | v2]`` in one."""
+    ``k_bufs`` hold ``[component 1, component 2]`` pairs), values ``[v1 | v2]`` in one.
+    Each tile that holds queries is posted with them (:func:`_post_tile`); the last post,
+    unit -1, ends the consumers' loops."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
     UNITS: gl.constexpr = NUM_HEADS // PARTS
     TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
@@ -254,18 +314,25 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
     q_count = 0
     kv_count = 0
     seq, first_tile, q_start, q_len, kv_start, kv_len = num_seqs, num_q_tiles, 0, 0, 0, 0
-    for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
+    tile = gl.program_id(0)
+    while tile < UNITS * num_q_tiles:
         unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len = _locate(
             tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
             TILE_M, PAGED)
         if q_first < q_len:
             qi = q_count % 2
             mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
+            _post_tile(posts.index(qi), unit, q_first, q_start, q_len, kv_len)
             mbarrier.expect(q_ready.index(qi), PARTS * q_desc.block_type.nbytes)
             for part in gl.static_range(PARTS):
                 _tma_load(q_desc, [q_start + q_first, (unit * PARTS + part) * HEAD_SIZE], q_ready.index(qi),
                           q_bufs.index(qi * PARTS + part))
             q_count += 1
+        if DYNAMIC:  # the next tile, claimed now: the atomic's round trip runs under the wait for a key buffer
+            next_tile = gl.num_programs(0) + gl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
+        else:
+            next_tile = tile + gl.num_programs(0)
+        if q_first < q_len:
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             col = unit // GROUP * VALUE_COLS  # the KV head (pair)'s first column
             table_row = block_table_ptr + seq * stride_bt
@@ -285,6 +352,11 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_
             if tile_hi > 0:
                 _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, kv_count - 1, table_row, kv_start, kv_len, 0,
                              col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS, STAGES)
+        tile = next_tile
+    qi = q_count % 2  # the end: unit -1, no queries (a plain arrive)
+    mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
+    _post_tile(posts.index(qi), -1, 0, 0, 0, 0)
+    mbarrier.arrive(q_ready.index(qi), count=1)
 
 
 # ----------------------------------------------------------------------------- consumers
@@ -486,19 +558,17 @@ def _store_output(o, out_desc, out_ptr, stage, q_start, first_row, q_len, col, s
 
 
 @gluon.jit
-def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs, num_q_tiles, qk_scale,
-              min_dist, stride_ot,
-              CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
+def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot,
+              CONSUMER: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr,
+              LAMBDA_PER_PAIR: gl.constexpr):
     """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
     component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
     interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
     Differential: consumer 1 hands ``o_2`` (the output dtype) to consumer 0 through
     ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
-    UNITS: gl.constexpr = NUM_HEADS // PARTS
     TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
     VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
@@ -506,61 +576,58 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_re
     q_count = 0
     kv_count = 0
     turn_count = 0
-    seq, first_tile, q_start, q_len, kv_start, kv_len = num_seqs, num_q_tiles, 0, 0, 0, 0
-    for tile in range(gl.program_id(0), UNITS * num_q_tiles, gl.num_programs(0)):
-        unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len = _locate(
-            tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
-            TILE_M, PAGED)
-        if q_first < q_len:
-            qi = q_count % 2
-            mbarrier.wait(q_ready.index(qi), (q_count // 2) & 1)
-            if DIFFERENTIAL:
-                q_smem = q_bufs.index(qi * 2 + CONSUMER)
+    unit, q_first, q_start, q_len, kv_len = _take_tile(posts, q_ready, q_count)
+    while unit >= 0:
+        qi = q_count % 2
+        if DIFFERENTIAL:
+            q_smem = q_bufs.index(qi * 2 + CONSUMER)
+        else:
+            q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
+        first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL)
+        tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
+        _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
+        # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
+        # unmasked loop, after a zero-trip masked one, gave wrong rows and faulted)
+        masked_steps = gl.maximum(tile_hi - gl.minimum(full_hi // BLOCK_N, tile_hi), gl.minimum(tile_hi, 1))
+        pos = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + kv_len - q_len
+        m, l, acc, kv_count, turn_count = _attend(
+            q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
+            masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
+            CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG)
+        if DIFFERENTIAL:
+            mbarrier.arrive(q_empty.index(qi), count=1)
+        o = _normalize(acc, l)
+        if DIFFERENTIAL:
+            exchange_phase = (q_count & 1) ^ CONSUMER  # consumer 1's first wait (x_empty) passes
+            if CONSUMER == 1:
+                mbarrier.wait(x_empty, exchange_phase)
+                x_buf.store(o.to(out_ptr.dtype.element_ty))
+                mbarrier.arrive(x_ready, count=1)
             else:
-                q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
-            first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL)
-            tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
-            _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
-            # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
-            # unmasked loop, after a zero-trip masked one, gave wrong rows and faulted)
-            masked_steps = gl.maximum(tile_hi - gl.minimum(full_hi // BLOCK_N, tile_hi), gl.minimum(tile_hi, 1))
-            pos = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + kv_len - q_len
-            m, l, acc, kv_count, turn_count = _attend(
-                q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
-                masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
-                CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG)
-            if DIFFERENTIAL:
-                mbarrier.arrive(q_empty.index(qi), count=1)
-            o = _normalize(acc, l)
-            if DIFFERENTIAL:
-                exchange_phase = (q_count & 1) ^ CONSUMER  # consumer 1's first wait (x_empty) passes
-                if CONSUMER == 1:
-                    mbarrier.wait(x_empty, exchange_phase)
-                    x_buf.store(o.to(out_ptr.dtype.element_ty))
-                    mbarrier.arrive(x_ready, count=1)
+                if LAMBDA_PER_PAIR:
+                    lam = gl.load(lambda_ptr + unit).to(gl.float32)
                 else:
-                    if LAMBDA_PER_PAIR:
-                        lam = gl.load(lambda_ptr + unit).to(gl.float32)
-                    else:
-                        lam = gl.load(lambda_ptr).to(gl.float32)
-                    mbarrier.wait(x_ready, exchange_phase)
-                    o = o - lam * x_buf.load(o_layout).to(gl.float32)
-                    mbarrier.arrive(x_empty, count=1)
-            if CONSUMER == 0 or not DIFFERENTIAL:
-                _store_output(o, out_desc, out_ptr, q_smem, q_start, first_row, q_len, unit * VALUE_COLS, stride_ot,
-                              not DIFFERENTIAL)
-            if not DIFFERENTIAL:  # (its query buffer held the output on its way out)
-                mbarrier.arrive(q_empty.index(qi), count=1)
-            q_count += 1
+                    lam = gl.load(lambda_ptr).to(gl.float32)
+                mbarrier.wait(x_ready, exchange_phase)
+                o = o - lam * x_buf.load(o_layout).to(gl.float32)
+                mbarrier.arrive(x_empty, count=1)
+        if CONSUMER == 0 or not DIFFERENTIAL:
+            _store_output(o, out_desc, out_ptr, q_smem, q_start, first_row, q_len, unit * VALUE_COLS, stride_ot,
+                          not DIFFERENTIAL)
+        if not DIFFERENTIAL:  # (its query buffer held the output on its way out)
+            mbarrier.arrive(q_empty.index(qi), count=1)
+        q_count += 1
+        unit, q_first, q_start, q_len, kv_len = _take_tile(posts, q_ready, q_count)
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "num_q_tiles", "min_dist", "cache_rows"])
 def gluon_prefill_kernel(
     out_ptr, out_desc, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr,
-    num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
+    tile_counter_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
     """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head;
     differential: ``BLOCK_M`` tokens x one head pair), over ``min(tiles, multiprocessors)``
@@ -584,10 +651,13 @@ def gluon_prefill_kernel(
             or ``seq_lens [B]`` (PAGED), int32.
         block_table_ptr: PAGED ``[B, max_blocks]`` int32 (row stride ``stride_bt``).
         lambda_ptr: differential ``lambda_full``, ``[]`` or ``[Hq / 2]`` (``LAMBDA_PER_PAIR``).
+        tile_counter_ptr: ``DYNAMIC``: ``[1]`` int32, zero at launch (the tiles claimed past
+            the first ``programs``); else unused (any int32 pointer).
         num_q_tiles: ``Tq // TILE_M + B`` (the varlen bound of query tiles).
         qk_scale: ``scale * log2(e)``, positive. min_dist: see the module's masks.
         OVERLAP, PINGPONG: FlashAttention-3's intra- and inter-warpgroup schedules
-            (:func:`_overlapped_step`, :func:`_await_turn`).
+            (:func:`_overlapped_step`, :func:`_await_turn`). DYNAMIC: tiles claimed from
+            ``tile_counter_ptr`` (the module's persistent schedule).
     """
     dtype: gl.constexpr = q_desc.dtype
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -599,6 +669,8 @@ def gluon_prefill_kernel(
     # differential: consumer 1's o_2 on its way to consumer 0 (plain: a placeholder)
     x_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, VALUE_COLS] if DIFFERENTIAL else [1, 8],
                                       gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    # the work tile of each query buffer, posted by the producer (:func:`_post_tile`)
+    posts = gl.allocate_shared_memory(gl.int32, [2, POST_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -620,16 +692,14 @@ def gluon_prefill_kernel(
     mbarrier.init(x_ready, count=1)
     mbarrier.init(x_empty, count=1)
     gl.warp_specialize(
-        [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs, num_q_tiles,
-                      min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
-                      BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL)),
-         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready,
-                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs,
-                      num_q_tiles, qk_scale, min_dist, stride_ot, 0, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES,
-                      PAGED, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR)),
-         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, q_ready, q_empty, k_ready,
-                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, cu_seqlens_q_ptr, kv_lens_ptr, num_seqs,
-                      num_q_tiles, qk_scale, min_dist, stride_ot, 1, NUM_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES,
-                      PAGED, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR))],
+        [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
+                      num_seqs, num_q_tiles, min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS,
+                      NUM_KV_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL, DYNAMIC)),
+         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 0,
+                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR)),
+         (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
+                      v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 1,
+                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, DIFFERENTIAL, LAMBDA_PER_PAIR))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
