@@ -34,9 +34,10 @@ one is claimed from a counter (``programs + atomic_add``) when the current one s
 heavy tiles. Either way a program's tiles rise, its query tiles only walk down: the producer
 keeps its current sequence's metadata and reads ``cu_seqlens_q`` only when a tile leaves it
 (:func:`_locate`, :func:`_seek`: the varlen bound of :mod:`.prefill_kernel`; on the H200 a
-binary search a tile, 3 to 7 dependent loads, cost ~8% of the consumers' time), and posts
-each tile's fields beside its query buffer (:func:`_post_tile`): the consumers take them
-with the queries (:func:`_take_tile`) and never search. The producer loads the next tile's
+binary search on every tile, 3 to 7 dependent loads, had cost ~8% of the consumers' time),
+and posts each tile's fields beside its query buffer (:func:`_post_tile`; the fields past
+the five are padding): the consumers take them with the queries (:func:`_take_tile`) and
+never search. The producer loads the next tile's
 queries while the consumers finish the current one (two query buffers); a consumer's whole
 output rows leave through its slice of the tile's query buffer by one TMA store
 (:func:`_store_output`).
@@ -152,8 +153,8 @@ def _locate(tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_
     (``>= q_len``: an empty tile). A program's tiles walk the query tiles down (static or
     dynamic schedule), so the sequence of its last tile (``seq .. kv_len``; ``seq = B``,
     ``first_tile = num_q_tiles`` before the first) serves until a tile falls below its
-    ``first_tile``: then :func:`_seek` reads the metadata (a few times a program, not a
-    binary search a tile)."""
+    ``first_tile``: then :func:`_seek` reads the metadata (once a sequence a program
+    passes through, not a binary search a tile)."""
     unit = tile % UNITS
     q_tile = num_q_tiles - 1 - tile // UNITS
     if q_tile < first_tile:
@@ -192,7 +193,7 @@ POST_FIELDS = gl.constexpr(8)
 @gluon.constexpr_function
 def _post_layout():
     """A posted tile's ``POST_FIELDS`` int32 over a warpgroup, every thread holding them all."""
-    return gl.BlockedLayout([8], [32], [4], [0])
+    return gl.BlockedLayout([POST_FIELDS], [32], [4], [0])
 
 
 @gluon.jit
@@ -567,7 +568,8 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
     component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
     interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
     Differential: consumer 1 hands ``o_2`` (the output dtype) to consumer 0 through
-    ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``."""
+    ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``. The tiles are
+    the producer's posts (:func:`_take_tile`), up to the one of unit -1."""
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
     TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
     VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
@@ -680,17 +682,21 @@ def gluon_prefill_kernel(
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # (only the barriers in use are initialized: the allocator may put a scratch buffer, e.g. the
+    # atomic's, over an unused one, and PTX forbids reusing an initialized mbarrier's memory)
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(turns.index(i), count=1)
+        if PINGPONG:
+            mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(x_ready, count=1)
-    mbarrier.init(x_empty, count=1)
+    if DIFFERENTIAL:
+        mbarrier.init(x_ready, count=1)
+        mbarrier.init(x_empty, count=1)
     gl.warp_specialize(
         [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
