@@ -135,7 +135,8 @@ def test_differential(head_size, per_pair):
         run_paged([(0, 130), (1000, 300), (17, 1), (5, 200), pad(3), (33, 64)], block_size=block_size,
                   head_size=head_size, lam=lam, seed=block_size)
     tiles = gluon_prefill.DIFFERENTIAL_TILES[head_size]
-    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5, tiles=tiles._replace(overlap=False, pingpong=False))
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5,
+               tiles=tiles._replace(overlap=False, pingpong=False))
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=6, tiles=tiles._replace(dynamic=not tiles.dynamic))
 
 
@@ -180,10 +181,10 @@ def test_many_sequences():
 @pytest.mark.gpu
 def test_one_unit_many_sequences():
     """One query head (one head pair, differential) over 300 short sequences, some empty:
-    about 600 work tiles for 132 programs, whose consecutive tiles lie at least 132 query
-    tiles apart (round-robin plain, claimed differential) and skip one sequence or several,
-    so the sequence a program keeps (``_locate``) is left on most of its tiles and found
-    again as the one before (``_seek``'s first test) or by the binary search."""
+    about 600 work tiles for 132 programs, whose consecutive tiles lie 132 query tiles apart
+    (round-robin, plain; about as far when claimed, differential) and skip one sequence or
+    several, so the sequence a program keeps (``_locate``) is left on most of its tiles and
+    found again as the one before (``_seek``'s first test) or by the binary search."""
     g = torch.Generator().manual_seed(11)
     q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
     q_lens[7] = q_lens[20] = q_lens[299] = 0

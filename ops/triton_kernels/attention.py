@@ -88,8 +88,8 @@ where (the day's last run, its dynamic schedule) it took 0.899 ms at B=8 S=2048 
 for the Hopper prefill kernel's sequential schedule and 0.999 for flash-attn 4's two calls,
 10.53 / 11.54 / 11.76 ms for 64 sequences of 128-4096 tokens, and paged (512 after 4096 cached,
 block 16) 0.875 ms, where the unified kernel serves the paged calls today (2.105 ms on
-2026-12-01). Off until the GPU tests of the routes it
-would change (``test_gpu_compile``'s traced differential call, the engine's) have run with it on."""
+2026-12-01). Off until the GPU tests of the routes it would change (``test_gpu_compile``'s
+traced differential call, the engine's) have run with it on."""
 
 
 def gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
