@@ -37,10 +37,9 @@ keeps its current sequence's metadata and reads ``cu_seqlens_q`` only when a til
 binary search on every tile, 3 to 7 dependent loads, had cost ~8% of the consumers' time),
 and posts each tile's fields beside its query buffer (:func:`_post_tile`; the fields past
 the five are padding): the consumers take them with the queries (:func:`_take_tile`) and
-never search. The producer loads the next tile's
-queries while the consumers finish the current one (two query buffers); a consumer's whole
-output rows leave through its slice of the tile's query buffer by one TMA store
-(:func:`_store_output`).
+never search. The producer loads the next tile's queries while the consumers finish the
+current one (two query buffers); a consumer's whole output rows leave through its slice of
+the tile's query buffer by one TMA store (:func:`_store_output`).
 
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
@@ -275,17 +274,17 @@ def _gather_values(v_ptr, smem, bar, table_row, kv_start, kv_len, start, col, st
 @gluon.jit
 def _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, count, table_row, kv_start, kv_len, start, col, cache_rows,
                  stride_vb, stride_vt, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                 VALUE_COLS: gl.constexpr, STAGES: gl.constexpr):
+                 VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, ELEMENT_BYTES: gl.constexpr):
     """The values of keys ``start .. start + BLOCK_N`` into buffer ``count % STAGES`` once the
-    consumers have released it: TMA copies, or :func:`_gather_values` for the tile that holds
-    the sequence's last key."""
+    consumers have released it: TMA copies (``ELEMENT_BYTES`` a value), or
+    :func:`_gather_values` for the tile that holds the sequence's last key."""
     s = count % STAGES
     mbarrier.wait(v_empty.index(s), ((count // STAGES) & 1) ^ 1)
     if start + BLOCK_N > kv_len:
         _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col, stride_vb,
                        stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS)
     else:
-        mbarrier.expect(v_ready.index(s), BLOCK_N * VALUE_COLS * (v_desc.dtype.primitive_bitwidth // 8))
+        mbarrier.expect(v_ready.index(s), BLOCK_N * VALUE_COLS * ELEMENT_BYTES)
         _copy_kv_tile(v_desc, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col, cache_rows,
                       PAGED, BLOCK_SIZE, BLOCK_N)
 
@@ -348,11 +347,12 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
                 if step > 0:
                     _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, kv_count - 1, table_row, kv_start, kv_len,
                                  start + BLOCK_N, col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N,
-                                 VALUE_COLS, STAGES)
+                                 VALUE_COLS, STAGES, ELEMENT_BYTES)
                 kv_count += 1
             if tile_hi > 0:
                 _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, kv_count - 1, table_row, kv_start, kv_len, 0,
-                             col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS, STAGES)
+                             col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS, STAGES,
+                             ELEMENT_BYTES)
         tile = next_tile
     qi = q_count % 2  # the end: unit -1, no queries (a plain arrive)
     mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
