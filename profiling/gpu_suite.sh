@@ -68,6 +68,7 @@ if [ -n "${PATCH:-}" ]; then  # measure a branch: a patched copy of the tree run
     PATCH="" exec bash "$tree/profiling/gpu_suite.sh" "$@"
 fi
 out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
 site=$(mktemp -d)
 cp -r "$repo/compiled_attn" "$site/compiled_attn"
 ln -s "$repo/ops" "$site/compiled_attn/ops"
