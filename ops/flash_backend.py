@@ -42,8 +42,10 @@ the op against 0.958 ms on our fused Hopper prefill kernel at B=8, S=2048 (12.1 
 concatenated ``[v1 | v2]`` and an eager combine, 1.764 ms as the seed's four calls, and
 0.987 ms for its two calls with no combine at all. So the calls our varlen launcher routes
 to that kernel (``triton_kernels.attention.prefill_kernel_takes``: head size 128 on an sm90
-GPU) stay on it (:func:`hopper_takes`), and the others, timed on neither side, take the two
-calls (:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
+GPU) stay ours (:func:`hopper_takes`; the launcher now runs them on the Gluon kernel's fused
+schedule, ``attention.GLUON_DIFFERENTIAL``: 0.866 ms against flash-attn 4's two calls' 0.976 on
+2026-12-02), and the others, timed on neither side, take the two calls
+(:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
 flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel (0.806 on the unified one):
 flash-attn 4. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on our kernel
 (flash-attn 4's host time per call). :func:`disabled` turns the backend off for a block of
@@ -245,10 +247,11 @@ def _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap) -> str | Non
 
 
 def hopper_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor) -> bool:
-    """Whether our varlen launcher runs this differential call through our Hopper prefill
-    kernel (``triton_kernels.attention.prefill_kernel_takes``: its head sizes, on an sm90
-    GPU), which took it faster than flash-attn 4's two calls on the H200 (the module
-    docstring): :func:`_formulation` leaves such calls to it."""
+    """Whether this differential call is one our Hopper prefill kernel covers
+    (``triton_kernels.attention.prefill_kernel_takes``: its head sizes, on an sm90 GPU),
+    which took it faster than flash-attn 4's two calls on the H200, as the Gluon kernel's
+    fused schedule that our varlen launcher tries first does (the module docstring):
+    :func:`_formulation` leaves such calls to our launcher."""
     from .triton_kernels.attention import prefill_kernel_takes
 
     return prefill_kernel_takes(q, k, v, lambda_full, None)

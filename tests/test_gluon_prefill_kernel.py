@@ -300,10 +300,11 @@ def _count_calls(monkeypatch, name: str) -> list:
 
 @gpu
 @pytest.mark.gpu
-def test_op_routes_plain_prefill_here(monkeypatch):
-    """The ops (through the dispatcher) run plain covered varlen prefill and prefill-heavy paged
-    calls (``T >= 128 B``) on this kernel, with the oracle's result; differential calls, a
-    decode batch and every call with ``GLUON_PREFILL`` off go elsewhere."""
+def test_op_routes_prefill_here(monkeypatch):
+    """The ops (through the dispatcher) run covered varlen prefill, plain and differential,
+    and prefill-heavy paged calls (``T >= 128 B``) on this kernel, with the oracle's result;
+    a decode batch, differential calls with ``GLUON_DIFFERENTIAL`` off and every call with
+    ``GLUON_PREFILL`` off go elsewhere."""
     import compiled_attn.ops as ops
     from compiled_attn.ops.triton_kernels import attention
 
@@ -313,44 +314,69 @@ def test_op_routes_plain_prefill_here(monkeypatch):
     args = [t.cuda() for t in batch.attention_args()]
     assert_close_to_oracle(ops.varlen_attention(*args), oracle_varlen(*batch.attention_args()))
     assert len(varlen_calls) == 1
-    ops.varlen_attention(*args, torch.full((4,), 0.3, device="cuda"))  # differential: not here
+    lam = make_lambda(8, per_pair=True)
+    assert_close_to_oracle(ops.varlen_attention(*args, lam.cuda()),
+                           oracle_varlen(*batch.attention_args(), lambda_full=lam))
+    assert len(varlen_calls) == 2
+    monkeypatch.setattr(attention, "GLUON_DIFFERENTIAL", False)
+    ops.varlen_attention(*args, lam.cuda())
+    assert len(varlen_calls) == 2
+    monkeypatch.setattr(attention, "GLUON_DIFFERENTIAL", True)
     monkeypatch.setattr(attention, "GLUON_PREFILL", False)
     ops.varlen_attention(*args)
-    assert len(varlen_calls) == 1
+    ops.varlen_attention(*args, lam.cuda())
+    assert len(varlen_calls) == 2
     monkeypatch.setattr(attention, "GLUON_PREFILL", True)
     prefill = make_paged_batch([(100, 300), (0, 200)], num_heads=8, num_kv_heads=2, head_size=128,
                                dtype=torch.bfloat16, seed=8, unused_fill="nan")
     got = ops.paged_attention(*[t.cuda() for t in prefill.attention_args()])
     assert_close_to_oracle(got, oracle_paged(*prefill.attention_args()))
+    got = ops.paged_attention(*[t.cuda() for t in prefill.attention_args()], lam.cuda())
+    assert_close_to_oracle(got, oracle_paged(*prefill.attention_args(), lambda_full=lam))
     decode = make_paged_batch([(100, 1), (300, 2)], num_heads=8, num_kv_heads=2, head_size=128,
                               dtype=torch.bfloat16, seed=9, unused_fill="nan")
     ops.paged_attention(*[t.cuda() for t in decode.attention_args()])
-    assert len(paged_calls) == 1
+    assert len(paged_calls) == 2
 
 
 @gpu
 @pytest.mark.gpu
-def test_compiled_call_stays_opaque(monkeypatch):
+@pytest.mark.parametrize("differential", [False, True])
+def test_compiled_call_stays_opaque(differential, monkeypatch):
     """Under ``torch.compile(fullgraph=True)`` with static shapes, a covered call stays one op
-    call in Inductor's code (a Gluon kernel is not traced), no graph break, and runs here."""
+    call in Inductor's code (a Gluon kernel is not traced), no graph break, and runs here;
+    its backward (the op's gradient formula) gives eager's gradients."""
     import compiled_attn.ops as ops
     from torch._inductor.utils import run_and_get_code
 
     calls = _count_calls(monkeypatch, "varlen_prefill")
     batch = make_varlen_batch([200, 65], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, seed=10)
-    args = [t.cuda() for t in batch.attention_args()]
+    q, k, v, cu_q, cu_k = (t.cuda() for t in batch.attention_args())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    lam = make_lambda(8, per_pair=True) if differential else None
+    extra = (lam.cuda(),) if differential else ()
+
+    def f(q, k, v):
+        return ops.varlen_attention(q, k, v, cu_q, cu_k, *extra) * 2.0
+
     torch._dynamo.reset()
-    got, code = run_and_get_code(torch.compile(lambda *a: ops.varlen_attention(*a) * 2.0, fullgraph=True), *args)
+    got, code = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v)
     assert "torch.ops.compiled_attn.varlen_attention.default" in "\n".join(code)
     assert len(calls) >= 1
-    assert_close_to_oracle(got, 2.0 * oracle_varlen(*batch.attention_args()))
+    assert_close_to_oracle(got, 2.0 * oracle_varlen(*batch.attention_args(), lambda_full=lam))
+    weights = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), weights),
+                    torch.autograd.grad(f(q, k, v), (q, k, v), weights)):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)
 
 
 @gpu
 @pytest.mark.gpu
-def test_paged_prefill_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("differential", [False, True])
+def test_paged_prefill_in_a_cuda_graph(differential, monkeypatch):
     """Captured once, replayed after the metadata changes (lengths, block tables, a padded
-    row): each replay equals the eager call bit for bit and the oracle within tolerance."""
+    row): each replay equals the eager call bit for bit and the oracle within tolerance
+    (differential: its dynamic schedule's counter is zeroed inside the graph)."""
     import compiled_attn.ops as ops
 
     calls = _count_calls(monkeypatch, "paged_prefill")
@@ -364,6 +390,8 @@ def test_paged_prefill_in_a_cuda_graph(monkeypatch):
               torch.full((blocks, 16, 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda"),
               torch.zeros(4, dtype=torch.int32, device="cuda"), torch.zeros(3, dtype=torch.int32, device="cuda"),
               torch.zeros((3, width), dtype=torch.int32, device="cuda")]
+    lam = make_lambda(8, per_pair=True) if differential else None
+    static += [lam.cuda()] if differential else []
 
     def load(batch):
         query, key_cache, value_cache, cu_q, seq_lens, table = batch.attention_args()
@@ -390,7 +418,7 @@ def test_paged_prefill_in_a_cuda_graph(monkeypatch):
         graph.replay()
         rows = batch.query.shape[0]  # (the rows past them belong to no sequence: left unwritten)
         assert torch.equal(out[:rows], ops.paged_attention(*static)[:rows]), f"round {number}"
-        assert_close_to_oracle(out[:rows], oracle_paged(*batch.attention_args()))
+        assert_close_to_oracle(out[:rows], oracle_paged(*batch.attention_args(), lambda_full=lam))
     assert calls  # captured and eager calls took this kernel
 
 

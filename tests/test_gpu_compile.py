@@ -67,11 +67,14 @@ def test_compiled_varlen_attention_launches_our_kernels_and_trains(kernel, head_
     """Forward traced through the launcher (the unified kernel, or the Hopper prefill kernel
     that ``PREFILL_KERNEL`` routes covered head sizes to: at D 128 its sequential
     differential schedule, which reads its own output back), backward through the op's
-    gradient formula."""
+    gradient formula. (The Gluon kernel, which takes these calls first on an sm90 GPU and
+    stays an opaque op call, switched off: ``GLUON_PREFILL``; its compiled calls are
+    ``test_gluon_prefill_kernel.py``'s.)"""
     from compiled_attn.ops.triton_kernels import attention
 
     routed = frozenset({head_size} if kernel == "prefill_kernel" else ())
     monkeypatch.setattr(attention, "PREFILL_HEAD_SIZES", routed)
+    monkeypatch.setattr(attention, "GLUON_PREFILL", False)
     g = torch.Generator().manual_seed(3)
     lens = [1, 70, 129]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")

@@ -111,9 +111,9 @@ def test_paged_real_sizes_options(differential):
 
 
 @pytest.mark.parametrize("differential, route", [(False, "gluon"), (False, "hopper"), (False, "unified"),
-                                               (True, "hopper"), (True, "unified")])
+                                               (True, "gluon"), (True, "hopper"), (True, "unified")])
 def test_varlen_real_sizes(differential, route, monkeypatch):
-    """D 128: the Gluon prefill kernel the launcher routes plain calls to on sm90
+    """D 128: the Gluon prefill kernel the launcher routes calls to on sm90
     (``GLUON_PREFILL``), the Hopper prefill kernel (``PREFILL_KERNEL``), and the unified kernel."""
     monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", route == "gluon")
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_KERNEL", "hopper" if route == "gluon" else route)
@@ -309,10 +309,10 @@ def test_cuda_graph_paged(phase, differential):
         assert bool((out[pad_rows] == 0).all())
 
 
-@pytest.mark.parametrize("differential, gluon", [(False, True), (False, False), (True, False)],
-                         ids=["plain-gluon", "plain", "differential"])
+@pytest.mark.parametrize("differential, gluon", [(False, True), (False, False), (True, True), (True, False)],
+                         ids=["plain-gluon", "plain", "differential-gluon", "differential"])
 def test_cuda_graph_varlen(differential, gluon, monkeypatch):
-    """Plain calls on the Gluon prefill kernel (``GLUON_PREFILL``) and on the unified kernel."""
+    """Calls on the Gluon prefill kernel (``GLUON_PREFILL``) and on the unified kernel."""
     monkeypatch.setattr(triton_kernels.attention, "GLUON_PREFILL", gluon)
     gluon_calls = count_gluon_calls(monkeypatch)
     g = torch.Generator().manual_seed(11)

@@ -68,28 +68,27 @@ trace time under ``torch.compile``), so a benchmark can flip it."""
 
 
 GLUON_PREFILL = True
-"""Whether plain prefill runs on the warp-specialized Gluon kernel (:mod:`.gluon_prefill`)
-where it covers the call, before the routes above: ``varlen_attention`` calls
-:func:`gluon_takes_varlen` takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes.
-On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128, ``profiling/bench_kernels.py
---parts gluon``, the day's last run) it took 0.570 ms at B=8 S=2048 against 0.746 for the
-Hopper prefill kernel and 0.569 for flash-attn 4 (6.97 / 8.50 / 6.70 ms for 64 sequences of
-128-4096 tokens), and paged prefill (512 new tokens after 4096 cached, block 16) 0.590 ms
-against 0.817 for the Hopper kernel's paged path (2026-12-01) and 1.161 for the unified
-kernel, which served it.
+"""Whether prefill runs on the warp-specialized Gluon kernel (:mod:`.gluon_prefill`) where it
+covers the call, before the routes above: ``varlen_attention`` calls :func:`gluon_takes_varlen`
+takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes (differential ones also
+need :data:`GLUON_DIFFERENTIAL`). On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128,
+``profiling/bench_kernels.py --parts gluon``) plain prefill took 0.554 ms at B=8 S=2048 against
+0.750 for the Hopper prefill kernel and 0.554 for flash-attn 4 (6.68 / 8.35 / 6.44 ms for 64
+sequences of 128-4096 tokens), and paged prefill (512 new tokens after 4096 cached, block 16)
+0.573 ms against 0.817 for the Hopper kernel's paged path (2026-12-01) and 1.161 for the
+unified kernel, which served it.
 Read at each call, and at trace time: a graph traced or captured with it off keeps the
 kernels it got. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel cannot
 be traced into Inductor's code: ``ops/backends.py``)."""
 
-GLUON_DIFFERENTIAL = False
+GLUON_DIFFERENTIAL = True
 """Whether differential calls the Gluon kernel covers run there too (its fused schedule: the
-two components on its two consumer warpgroups). Its GPU tests passed on the H200 (2026-12-02),
-where (the day's last run, its dynamic schedule) it took 0.899 ms at B=8 S=2048 against 0.976
-for the Hopper prefill kernel's sequential schedule and 0.999 for flash-attn 4's two calls,
-10.53 / 11.54 / 11.76 ms for 64 sequences of 128-4096 tokens, and paged (512 after 4096 cached,
-block 16) 0.875 ms, where the unified kernel serves the paged calls today (2.105 ms on
-2026-12-01). Off until the GPU tests of the routes it would change (``test_gpu_compile``'s
-traced differential call, the engine's) have run with it on."""
+two components on its two consumer warpgroups, each key/value tile loaded once). On the H200
+(2026-12-02, same call as :data:`GLUON_PREFILL`'s numbers) it took 0.866 ms at B=8 S=2048
+against 0.991 for the Hopper prefill kernel's sequential schedule, which served these calls
+before, and 0.976 for flash-attn 4's two calls (10.12 / 11.18 / 11.36 ms for 64 sequences of
+128-4096 tokens); paged (512 new after 4096 cached, block 16) 0.872 ms, where the unified
+kernel had served it (2.105 ms on 2026-12-01). Off: the routes above, as before."""
 
 
 def gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
