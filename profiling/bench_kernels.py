@@ -475,8 +475,9 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
     flash-attn 4's four calls (the seed's, issue 12: >= 1.9x).
     Paged (``batch`` sequences of ``chunk`` new tokens after ``prefix`` cached, block 16),
     plain and differential, against the same kernel over the same keys contiguous (issue 12:
-    <= 1.1; timed in turns, :func:`_alternated_ms`) and flash-attn 4's paged call. Every row
-    timed by :func:`_queued_ms`; plus the largest difference from the Triton Hopper kernel."""
+    <= 1.1; timed in turns, :func:`_alternated_ms`) and flash-attn 4's paged call; then
+    :func:`gluon_cost_rows`. Every row timed by :func:`_queued_ms`; plus the largest difference
+    from the Triton Hopper kernel."""
     from compiled_attn.ops import flash_backend
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.prefill import varlen_prefill
@@ -567,6 +568,25 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
                               _queued_ms(lambda: fa4(query, key_cache, value_cache, cu_seqlens_q=cu_q,
                                                      cu_seqlens_k=None, seqused_k=seq_lens, page_table=table,
                                                      causal=True)), "gluon paged ms", paged, ">= 1.0"))
+    return rows + (gluon_cost_rows(fa4) if fa4 else [])
+
+
+def gluon_cost_rows(fa4) -> list[ResultRow]:
+    """Plain Gluon against flash-attn 4 on shapes that pull a kernel's time apart (no
+    target): non-causal B=8 S=2048 and causal B=1 S=16384, where the per-key-tile step
+    dominates, and causal B=128 S=256, where a work tile's set-up and end do (2026-12-02: 549
+    against 597 TFLOP/s, 582 against 623, 176 against 137: the 64-sequence gap is the step)."""
+    from compiled_attn.ops.triton_kernels import gluon_prefill
+
+    rows = []
+    for case, lens, causal in (("non-causal B=8 S=2048", [2048] * 8, False), ("B=1 S=16384", [16384], True),
+                               ("B=128 S=256", [256] * 128, True)):
+        q, k, v, cu, _ = _varlen_inputs(lens)
+        flops = causal_flops(lens, False) * (1 if causal else 2)
+        ours = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, causal=causal))
+        theirs = _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal)[0])
+        rows.append(ResultRow(f"prefill {case} plain: gluon TFLOP/s", "TFLOP/s", flops / ours / 1e9,
+                              "flash-attn 4 TFLOP/s", flops / theirs / 1e9))
     return rows
 
 
