@@ -247,11 +247,11 @@ def _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap) -> str | Non
 
 
 def hopper_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor) -> bool:
-    """Whether this differential call is one our Hopper prefill kernel covers
-    (``triton_kernels.attention.prefill_kernel_takes``: its head sizes, on an sm90 GPU),
-    which took it faster than flash-attn 4's two calls on the H200, as the Gluon kernel's
-    fused schedule that our varlen launcher tries first does (the module docstring):
-    :func:`_formulation` leaves such calls to our launcher."""
+    """Whether :func:`_formulation` leaves this differential call to our varlen launcher:
+    one our Hopper prefill kernel covers (``triton_kernels.attention.prefill_kernel_takes``:
+    its head sizes, on an sm90 GPU). The launcher runs it on the Gluon kernel's fused
+    schedule where that covers it, else on the Hopper kernel; both took such calls faster
+    than flash-attn 4's two calls on the H200 (the module docstring)."""
     from .triton_kernels.attention import prefill_kernel_takes
 
     return prefill_kernel_takes(q, k, v, lambda_full, None)
