@@ -19,6 +19,8 @@ pytestmark = [
 ]
 pytest.importorskip("triton", reason="Triton is not installed: these tests exercise Triton kernels")
 
+import torch._functorch.config  # noqa: E402
+import torch._inductor.config  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 from oracle import assert_close_to_oracle  # noqa: E402
@@ -31,9 +33,17 @@ OP_CALL = "torch.ops.compiled_attn"
 
 
 def compiled_code(fn, *args):
-    """``(result, generated source)`` of ``torch.compile(fn, fullgraph=True)(*args)``."""
+    """``(result, generated source)`` of ``torch.compile(fn, fullgraph=True)(*args)``, with
+    the compile caches off: their keys hold the graph of op calls, not the routing flags
+    the tests patch (``PREFILL_HEAD_SIZES``, ``GLUON_PREFILL``), so a graph compiled under
+    other flags (another parametrization with the same shapes, another worker through the
+    on-disk cache) would come back with its kernels (on the H200, 2026-12-02, with the caches
+    on, the ``prefill_kernel-64`` case, run after the ``attention_kernel-64`` case in the same
+    process, found no ``prefill_kernel`` in its code; not yet run with them off)."""
     torch._dynamo.reset()
-    result, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        result, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
     return result, "\n".join(code)
 
 
