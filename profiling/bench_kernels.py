@@ -574,8 +574,8 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
 def gluon_cost_rows(fa4) -> list[ResultRow]:
     """Plain Gluon against flash-attn 4 on shapes that pull a kernel's time apart (no
     target): non-causal B=8 S=2048 and causal B=1 S=16384, where the per-key-tile step
-    dominates, and causal B=128 S=256, where a work tile's set-up and end do (2026-12-02: 549
-    against 597 TFLOP/s, 582 against 623, 176 against 137: the 64-sequence gap is the step)."""
+    dominates, and causal B=128 S=256, where a work tile's set-up and end do (2026-12-02: 561
+    against 595 TFLOP/s, 582 against 619, 175 against 138: the 64-sequence gap is the step)."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
 
     rows = []

@@ -333,6 +333,9 @@ def test_op_routes_prefill_here(monkeypatch):
     assert_close_to_oracle(got, oracle_paged(*prefill.attention_args()))
     got = ops.paged_attention(*[t.cuda() for t in prefill.attention_args()], lam.cuda())
     assert_close_to_oracle(got, oracle_paged(*prefill.attention_args(), lambda_full=lam))
+    monkeypatch.setattr(attention, "GLUON_DIFFERENTIAL", False)
+    got = ops.paged_attention(*[t.cuda() for t in prefill.attention_args()], lam.cuda())
+    assert_close_to_oracle(got, oracle_paged(*prefill.attention_args(), lambda_full=lam))
     decode = make_paged_batch([(100, 1), (300, 2)], num_heads=8, num_kv_heads=2, head_size=128,
                               dtype=torch.bfloat16, seed=9, unused_fill="nan")
     ops.paged_attention(*[t.cuda() for t in decode.attention_args()])

@@ -33,7 +33,7 @@ from compiled_attn.ops import flash_backend, triton_kernels  # noqa: E402
 def any_size(monkeypatch):
     """The backend takes these small batches (``MIN_QUERY_TOKENS`` keeps calls under 4096
     query tokens on our kernel in use), and their differential calls at head size 128 (which
-    our Hopper prefill kernel takes in use: ``flash_backend.hopper_takes``)."""
+    our launcher keeps in use: ``flash_backend.hopper_takes``)."""
     monkeypatch.setattr(flash_backend, "MIN_QUERY_TOKENS", 1)
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset())
 
@@ -84,11 +84,11 @@ def test_alibi_and_head_size_256_differential_stay_on_our_kernel():
                                     None)
 
 
-def test_differential_prefill_at_head_size_128_stays_on_our_hopper_kernel(monkeypatch):
+def test_differential_prefill_at_head_size_128_stays_ours(monkeypatch):
     """As shipped (``PREFILL_HEAD_SIZES`` holds 128, which the fixture empties for the other
-    tests): the op runs a D 128 differential prefill on our Hopper prefill kernel, measured
-    faster than flash-attn 4's two calls, with no flash-attn call, and its plain prefill
-    through flash-attn 4."""
+    tests): the op runs a D 128 differential prefill on our kernels (the Gluon kernel's fused
+    schedule on sm90, else the Hopper prefill kernel), measured faster than flash-attn 4's two
+    calls, with no flash-attn call, and its plain prefill through flash-attn 4."""
     monkeypatch.setattr(triton_kernels.attention, "PREFILL_HEAD_SIZES", frozenset({128}))
     q, k, v, cu = batch()
     calls = count_flash_calls(monkeypatch)

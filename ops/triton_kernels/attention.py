@@ -105,7 +105,8 @@ def gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, blo
                       scale=None, causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                       scale_softcap=None, k_scale=None, v_scale=None) -> bool:
     """Whether :func:`paged_attention` (with no forced split count or tiles) runs these schema
-    arguments on the Gluon kernel: :data:`GLUON_PREFILL`, :func:`.gluon_prefill.covers_paged`
+    arguments on the Gluon kernel: :data:`GLUON_PREFILL` (differential: and
+    :data:`GLUON_DIFFERENTIAL`), :func:`.gluon_prefill.covers_paged`
     (a 16-bit cache of the query's dtype) and a prefill-heavy batch, at least one work tile of
     queries a sequence (``T >= 128 B``: chunked prefill, prefix hits); a decode step or a batch
     of mostly decode rows stays on the unified kernel, which packs a GQA group's rows into one
