@@ -17,9 +17,11 @@ softmax runs. Here each program holds three partitions:
   ``PINGPONG``: the consumers issue their wgmma in turns, so one's softmax runs under the
   other's matrix work (FlashAttention-3's inter-warpgroup schedule, §3.1); ``OVERLAP``: a
   consumer issues the next tile's scores before this tile's ``p v`` and runs the softmax
-  under it (the intra-warpgroup schedule, §3.2). ``DIFFERENTIAL``: both consumers take the
-  same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
-  (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
+  under it (the intra-warpgroup schedule, §3.2; so the PTX orders it, but Triton 3.6's ptxas
+  moves the wait for ``p v`` above the softmax, and a branch that kept it in place ran
+  slower on the H200: ``profiling/results/kernels.md``, 2026-12-02). ``DIFFERENTIAL``: both
+  consumers take the same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component
+  ``c`` (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
   ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6 head-size GEMM units a tile, as the
   differential transformer's two softmaxes need); consumer 1 hands its normalized result
   to consumer 0 through shared memory, which writes ``o_1 - lambda * o_2``.
