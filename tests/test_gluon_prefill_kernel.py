@@ -35,8 +35,10 @@ ON_SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] =
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and Triton's Gluon")
 
 
-# FlashAttention-3's schedules: intra-warpgroup overlap, inter-warpgroup ping-pong, both
+# FlashAttention-3's schedules: intra-warpgroup overlap (its step's p v issued first or last),
+# inter-warpgroup ping-pong, both
 SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.GluonTiles(),
+             "scores-first": gluon_prefill.TILES._replace(values_first=False),
              "overlap": gluon_prefill.GluonTiles(overlap=True),
              "pingpong": gluon_prefill.GluonTiles(pingpong=True),
              "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True),
@@ -124,8 +126,8 @@ def test_differential(head_size, per_pair):
     """The fused differential schedule (components on the two consumers, ``o_2`` handed over
     in shared memory): causal varlen at the real tiles, GQA 4 (4 pairs on one KV pair), fp16,
     non-causal over whole key tiles, paged blocks of 16 and 64, and the real tiles without
-    the two overlaps and with the other tile schedule (round-robin, the default being
-    dynamic)."""
+    the two overlaps, with the other tile schedule (round-robin, the default being dynamic)
+    and with the other order of a step's two wgmma (``values_first``)."""
     lam = make_lambda(8, per_pair=per_pair, seed=head_size)
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=head_size + per_pair)
     run_varlen([257, 64], [300, 64], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.float16, lam=lam,
@@ -138,6 +140,8 @@ def test_differential(head_size, per_pair):
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=5,
                tiles=tiles._replace(overlap=False, pingpong=False))
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=6, tiles=tiles._replace(dynamic=not tiles.dynamic))
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=7,
+               tiles=tiles._replace(values_first=not tiles.values_first))
 
 
 @gpu

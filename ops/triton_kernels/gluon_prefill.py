@@ -32,6 +32,8 @@ class GluonTiles(NamedTuple):
     """``block_m`` query rows a consumer (the work tile is ``2 * block_m``), ``block_n`` keys
     a step, ``stages`` key/value buffers; ``overlap`` and ``pingpong``: FlashAttention-3's
     intra- and inter-warpgroup schedules (the kernel's ``OVERLAP``, ``PINGPONG``);
+    ``values_first``: overlap's step issues the previous tile's ``p v`` before this tile's
+    scores and retires both before the softmax (the kernel's ``VALUES_FIRST``);
     ``dynamic``: work tiles claimed from an atomic counter, not dealt round-robin (the
     kernel's ``DYNAMIC``; a zeroed ``[1]`` int32 counter a launch)."""
 
@@ -41,11 +43,13 @@ class GluonTiles(NamedTuple):
     overlap: bool = False
     pingpong: bool = False
     dynamic: bool = False
+    values_first: bool = False
 
     def label(self) -> str:
-        """``64x128 s2`` with `` overlap`` / `` pingpong`` / `` dynamic`` where set (benchmark
-        rows)."""
-        schedules = " overlap" * self.overlap + " pingpong" * self.pingpong + " dynamic" * self.dynamic
+        """``64x128 s2`` with `` overlap`` / `` values-first`` / `` pingpong`` / `` dynamic``
+        where set (benchmark rows)."""
+        schedules = (" overlap" * self.overlap + " values-first" * self.values_first + " pingpong" * self.pingpong
+                     + " dynamic" * self.dynamic)
         return f"{self.block_m}x{self.block_n} s{self.stages}{schedules}"
 
 
@@ -55,7 +59,12 @@ class GluonTiles(NamedTuple):
 # 7.42 overlap only, 0.661 / 7.79 pingpong only (the two runs before, at 240 registers, ranked them
 # the same; 64x64 s3 with both: 0.641 / 7.93). The kernel of 2026-12-02's last runs: 0.570 / 6.97 ms
 # (flash-attn 4 0.569 / 6.70 in that call); with `dynamic` 0.572 / 7.01 (two calls: 0.4-2.3% slower).
-TILES = GluonTiles(overlap=True, pingpong=True)
+# `values_first` (2026-12-02, two rounds in one call, against the same tiles without): 0.537 / 0.539
+# ms against 0.570 / 0.567 for the paged prefill of 512 tokens after 4096 (B=8, block 16), 6.68 /
+# 6.61 against 6.69 / 6.71 for the 64 sequences, 0.969 / 0.972 against 0.984 / 0.983 non-causal B=8
+# S=2048, B=1 S=16384 level; differential (its tiles below) 10.34 / 10.30 against 10.12 / 10.20 for
+# the 64 sequences: left off there.
+TILES = GluonTiles(overlap=True, pingpong=True, values_first=True)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
 # (2026-12-02, D 128, the day's last runs): dynamic 0.874 ms at B=8 S=2048 against 0.957 round-robin
@@ -250,8 +259,9 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
             num_seqs, num_q_tiles, qk_scale, min_dist, kv_rows, out.stride(0), stride_vb, stride_vt, stride_bt)
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
-                      OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, DIFFERENTIAL=differential,
-                      LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1, DYNAMIC=tiles.dynamic)
+                      OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, VALUES_FIRST=tiles.values_first,
+                      DIFFERENTIAL=differential, LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1,
+                      DYNAMIC=tiles.dynamic)
     units = num_heads // 2 if differential else num_heads
     grid = (min(units * num_q_tiles, multiprocessor_count(q.device)),)
     with device_guard(q):
