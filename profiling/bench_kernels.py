@@ -35,11 +35,16 @@ from compiled_attn.results import ResultRow, write_results
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 # Tiles of the Gluon prefill kernel timed beside its default (gluon_prefill.GluonTiles: block_m a
-# consumer, block_n, stages, overlap, pingpong, dynamic). 2026-12-02, before overlap and pingpong
-# existed: 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither
-# schedule, overlap alone and pingpong alone lost to both; the dynamic schedule lost 0.4-2.3% for
-# plain attention (results/kernels.md, 2026-12-02): none timed now.
-GLUON_SWEEP: tuple[tuple, ...] = ()
+# consumer, block_n, stages, overlap, pingpong, dynamic, values_first, early_waits). 2026-12-02,
+# before overlap and pingpong existed: 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at
+# B=8 S=2048); then neither schedule, overlap alone and pingpong alone lost to both; the dynamic
+# schedule lost 0.4-2.3% for plain attention (results/kernels.md, 2026-12-02). Timed now: the
+# default with early_waits (not yet run on a GPU: the consumers' clocks put its two waits at ~130
+# of a step's ~2850 cycles).
+GLUON_SWEEP: tuple[tuple, ...] = ((64, 128, 2, True, True, False, True, True),)
+# The same for the fused differential schedule at D 128 (its default: 64x64 s2 overlap pingpong
+# dynamic): with early_waits.
+GLUON_DIFFERENTIAL_SWEEP: tuple[tuple, ...] = ((64, 64, 2, True, True, True, False, True),)
 
 
 def _graph_ms(fn) -> float:
@@ -471,8 +476,9 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
     varlen batches: plain at its default tiles and each of :data:`GLUON_SWEEP` against
     flash-attn 4 called directly (where ``flash_attn.cute`` imports), our Triton Hopper
     kernel at its default tiles and SDPA cuDNN (B=8 S=2048 only); fused differential against
-    the Hopper kernel's sequential schedule and flash-attn 4's two calls with no combine, and
-    flash-attn 4's four calls (the seed's, issue 12: >= 1.9x).
+    the Hopper kernel's sequential schedule, each of :data:`GLUON_DIFFERENTIAL_SWEEP`,
+    flash-attn 4's two calls with no combine, and flash-attn 4's four calls (the seed's,
+    issue 12: >= 1.9x).
     Paged (``batch`` sequences of ``chunk`` new tokens after ``prefix`` cached, block 16),
     plain and differential, against the same kernel over the same keys contiguous (issue 12:
     <= 1.1; timed in turns, :func:`_alternated_ms`) and flash-attn 4's paged call; then
@@ -518,6 +524,10 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
         gluon_diff = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam))
         rows.append(ResultRow(f"prefill {case} differential: our hopper kernel (sequential) / gluon fused", "ms",
                               _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam)), "gluon ms", gluon_diff))
+        for tiles in (gluon_prefill.GluonTiles(*t) for t in GLUON_DIFFERENTIAL_SWEEP):
+            rows.append(ResultRow(f"prefill {case} differential: gluon fused {tiles.label()} / default", "ms",
+                                  _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles)),
+                                  "default ms", gluon_diff))
         rows.append(ResultRow(f"prefill {case} differential: gluon fused TFLOP/s", "TFLOP/s",
                               causal_flops(lens, True) / gluon_diff / 1e9, "plain gluon TFLOP/s",
                               causal_flops(lens, False) / _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu,

@@ -35,10 +35,12 @@ ON_SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] =
 gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and Triton's Gluon")
 
 
-# FlashAttention-3's schedules: intra-warpgroup overlap (its step's p v issued first or last),
-# inter-warpgroup ping-pong, both
+# FlashAttention-3's schedules: intra-warpgroup overlap (its step's p v issued first or last, its
+# key/value waits in the step or a step early), inter-warpgroup ping-pong, both
 SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.GluonTiles(),
              "scores-first": gluon_prefill.TILES._replace(values_first=False),
+             "early-waits": gluon_prefill.TILES._replace(early_waits=True),
+             "scores-first-early-waits": gluon_prefill.TILES._replace(values_first=False, early_waits=True),
              "overlap": gluon_prefill.GluonTiles(overlap=True),
              "pingpong": gluon_prefill.GluonTiles(pingpong=True),
              "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True),
@@ -126,8 +128,9 @@ def test_differential(head_size, per_pair):
     """The fused differential schedule (components on the two consumers, ``o_2`` handed over
     in shared memory): causal varlen at the real tiles, GQA 4 (4 pairs on one KV pair), fp16,
     non-causal over whole key tiles, paged blocks of 16 and 64, and the real tiles without
-    the two overlaps, with the other tile schedule (round-robin, the default being dynamic)
-    and with the other order of a step's two wgmma (``values_first``)."""
+    the two overlaps, with the other tile schedule (round-robin, the default being dynamic),
+    with the other order of a step's two wgmma (``values_first``) and with the key/value
+    waits a step early (``early_waits``, varlen and paged)."""
     lam = make_lambda(8, per_pair=per_pair, seed=head_size)
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=head_size + per_pair)
     run_varlen([257, 64], [300, 64], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.float16, lam=lam,
@@ -142,6 +145,10 @@ def test_differential(head_size, per_pair):
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=6, tiles=tiles._replace(dynamic=not tiles.dynamic))
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=7,
                tiles=tiles._replace(values_first=not tiles.values_first))
+    early = tiles._replace(early_waits=True)
+    run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=8, tiles=early)
+    run_paged([(0, 130), (1000, 300), (17, 1), (5, 200), pad(3), (33, 64)], head_size=head_size, lam=lam, seed=9,
+              tiles=early)
 
 
 @gpu
@@ -275,16 +282,16 @@ def test_covers(monkeypatch):
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
 def test_compiles_for_sm90():
     """The kernel lowers to a cubin for sm90 (plain contiguous and paged at blocks 16/64/256,
-    D 64 and 128; differential contiguous and paged) within 227 KiB of shared memory, its
-    wgmma not serialized by ptxas and with at most small register spills
-    (``tests/compile_sm90.py gluon``, no GPU needed)."""
+    D 64 and 128; differential contiguous and paged; the ``early_waits`` schedule) within 227
+    KiB of shared memory, its wgmma not serialized by ptxas and with at most small register
+    spills (``tests/compile_sm90.py gluon``, no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
     done = subprocess.run([sys.executable, str(script), "gluon"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 9
+    assert len(report) == 11
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row

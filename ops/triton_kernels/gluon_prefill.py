@@ -34,6 +34,8 @@ class GluonTiles(NamedTuple):
     intra- and inter-warpgroup schedules (the kernel's ``OVERLAP``, ``PINGPONG``);
     ``values_first``: overlap's step issues the previous tile's ``p v`` before this tile's
     scores and retires both before the softmax (the kernel's ``VALUES_FIRST``);
+    ``early_waits``: overlap's step waits for the next step's keys and values while its
+    wgmma run (the kernel's ``EARLY_WAITS``);
     ``dynamic``: work tiles claimed from an atomic counter, not dealt round-robin (the
     kernel's ``DYNAMIC``; a zeroed ``[1]`` int32 counter a launch)."""
 
@@ -44,12 +46,13 @@ class GluonTiles(NamedTuple):
     pingpong: bool = False
     dynamic: bool = False
     values_first: bool = False
+    early_waits: bool = False
 
     def label(self) -> str:
-        """``64x128 s2`` with `` overlap`` / `` values-first`` / `` pingpong`` / `` dynamic``
-        where set (benchmark rows)."""
-        schedules = (" overlap" * self.overlap + " values-first" * self.values_first + " pingpong" * self.pingpong
-                     + " dynamic" * self.dynamic)
+        """``64x128 s2`` with `` overlap`` / `` values-first`` / `` early-waits`` / ``
+        pingpong`` / `` dynamic`` where set (benchmark rows)."""
+        schedules = (" overlap" * self.overlap + " values-first" * self.values_first
+                     + " early-waits" * self.early_waits + " pingpong" * self.pingpong + " dynamic" * self.dynamic)
         return f"{self.block_m}x{self.block_n} s{self.stages}{schedules}"
 
 
@@ -260,8 +263,8 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
                       OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, VALUES_FIRST=tiles.values_first,
-                      DIFFERENTIAL=differential, LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1,
-                      DYNAMIC=tiles.dynamic)
+                      EARLY_WAITS=tiles.early_waits, DIFFERENTIAL=differential,
+                      LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1, DYNAMIC=tiles.dynamic)
     units = num_heads // 2 if differential else num_heads
     grid = (min(units * num_q_tiles, multiprocessor_count(q.device)),)
     with device_guard(q):

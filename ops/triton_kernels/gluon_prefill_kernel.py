@@ -22,8 +22,9 @@ softmax runs. Here each program holds three partitions:
   slower on the H200: ``profiling/results/kernels.md``, 2026-12-02); ``VALUES_FIRST`` (with
   ``OVERLAP``): ``p v`` issued before the next scores, both retired before the softmax, one
   wgmma batch a step (what ptxas made of ``OVERLAP`` anyway, with ``p`` converted to the
-  16-bit operand once a step). ``DIFFERENTIAL``: both consumers take the same ``BLOCK_M``
-  rows of one head pair, consumer ``c`` the component ``c``
+  16-bit operand once a step); ``EARLY_WAITS`` (with ``OVERLAP``): a step waits for the next
+  step's keys and values while its wgmma run. ``DIFFERENTIAL``: both consumers take the
+  same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
   (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
   ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6 head-size GEMM units a tile, as the
   differential transformer's two softmaxes need); consumer 1 hands its normalized result
@@ -449,43 +450,62 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
 
 
 @gluon.jit
+def _await_next(k_ready, v_ready, kv_count, has_next, STAGES: gl.constexpr):
+    """EARLY_WAITS: wait, under this step's wgmma, for what the next step reads: this tile's
+    values (buffer ``kv_count``) and, when ``has_next``, the next tile's keys."""
+    mbarrier.wait(v_ready.index(kv_count % STAGES), (kv_count // STAGES) & 1)
+    mbarrier.wait(k_ready.index((kv_count + 1) % STAGES), ((kv_count + 1) // STAGES) & 1, pred=has_next)
+
+
+@gluon.jit
 def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                      turn_count, start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr,
                      PINGPONG: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr,
-                     VALUES_FIRST: gl.constexpr):
+                     VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr, has_next):
     """FlashAttention-3's intra-warpgroup overlap (§3.2): with the previous key tile's
     probabilities ``p`` (buffer ``kv_count - 1``), issue this tile's ``q kᵀ`` and then the
     previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
     tile's softmax runs while ``p v`` is still on the tensor cores (in the PTX: ptxas moves
     the wait for ``p v`` above the softmax). ``VALUES_FIRST``: ``p v`` issued first, both
     retired before the softmax (one wgmma batch a step; ``p`` carried in fp32 and converted
-    here: carried as the 16-bit operand it cost 64 byte permutes a step). Returns ``(m, l,
-    acc, p, kv_count, turn_count)`` of the next step."""
+    here: carried as the 16-bit operand it cost 64 byte permutes a step). ``EARLY_WAITS``:
+    this step's keys and values were waited for by the step before (:func:`_await_next`; on
+    the H200, 2026-12-02, a step's start to its turn wait took ~130 of its ~2850 cycles, on
+    the consumers' critical path), and it waits for the next step's (``has_next``: there is a
+    next key tile) while its wgmma run. Returns ``(m, l, acc, p, kv_count,
+    turn_count)`` of the next step."""
     s = kv_count % STAGES
     phase = (kv_count // STAGES) & 1
     prev = (kv_count - 1) % STAGES
     prev_phase = ((kv_count - 1) // STAGES) & 1
     if VALUES_FIRST:
         p_operand = _as_operand(p, v_bufs.dtype, VALUE_COLS)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
-        mbarrier.wait(k_ready.index(s), phase)
+        if not EARLY_WAITS:
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            mbarrier.wait(k_ready.index(s), phase)
         _await_turn(turns, turn_count, CONSUMER, PINGPONG)
         acc = warpgroup_mma(p_operand, v_bufs.index(prev), acc, is_async=True)
         scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
         _pass_turn(turns, CONSUMER, PINGPONG)
+        if EARLY_WAITS:
+            _await_next(k_ready, v_ready, kv_count, has_next, STAGES)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
         scores = warpgroup_mma_wait(0, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
         m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
     else:
-        mbarrier.wait(k_ready.index(s), phase)
+        if not EARLY_WAITS:
+            mbarrier.wait(k_ready.index(s), phase)
         _await_turn(turns, turn_count, CONSUMER, PINGPONG)
         scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
+        if not EARLY_WAITS:
+            mbarrier.wait(v_ready.index(prev), prev_phase)
         acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, PINGPONG)
+        if EARLY_WAITS:
+            _await_next(k_ready, v_ready, kv_count, has_next, STAGES)
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
         m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
@@ -499,7 +519,8 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
 def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
             masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr,
-            K_PART: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr):
+            K_PART: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr,
+            EARLY_WAITS: gl.constexpr):
     """``(m, l, acc, kv_count, turn_count)`` of a consumer's rows over key tiles ``tile_hi -
     1`` down to 0, the first ``masked_steps`` (>= 1 when ``tile_hi > 0``) masked. ``OVERLAP``:
     :func:`_overlapped_step` (the first tile without ``p v``, the last tile's ``p v`` after
@@ -515,6 +536,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
             _await_turn(turns, turn_count, CONSUMER, PINGPONG)
             scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
             _pass_turn(turns, CONSUMER, PINGPONG)
+            if EARLY_WAITS:
+                _await_next(k_ready, v_ready, kv_count, tile_hi > 1, STAGES)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_empty.index(s), count=1)
             m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale, True,
@@ -527,16 +550,19 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
                 m, l, acc, p, kv_count, turn_count = _overlapped_step(
                     q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
-                    True, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST)
+                    True, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
+                    step + 1 < tile_hi)
             for step in range(gl.maximum(masked_steps, 1), tile_hi):
                 m, l, acc, p, kv_count, turn_count = _overlapped_step(
                     q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
-                    False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST)
+                    False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
+                    step + 1 < tile_hi)
             if VALUES_FIRST:
                 p = _as_operand(p, v_bufs.dtype, VALUE_COLS)
             prev = (kv_count - 1) % STAGES
-            mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
+            if not EARLY_WAITS:
+                mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
             _await_turn(turns, turn_count, CONSUMER, PINGPONG)
             acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
             _pass_turn(turns, CONSUMER, PINGPONG)
@@ -591,7 +617,7 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
               k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot,
               CONSUMER: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr,
-              DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
+              EARLY_WAITS: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
     """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
     component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
     interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
@@ -623,7 +649,7 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
         m, l, acc, kv_count, turn_count = _attend(
             q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
             masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
-            CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG, VALUES_FIRST)
+            CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS)
         if DIFFERENTIAL:
             mbarrier.arrive(q_empty.index(qi), count=1)
         o = _normalize(acc, l)
@@ -656,8 +682,8 @@ def gluon_prefill_kernel(
     tile_counter_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr, DIFFERENTIAL: gl.constexpr,
-    LAMBDA_PER_PAIR: gl.constexpr, DYNAMIC: gl.constexpr,
+    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr,
+    DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head;
     differential: ``BLOCK_M`` tokens x one head pair), over ``min(tiles, multiprocessors)``
@@ -687,8 +713,9 @@ def gluon_prefill_kernel(
         qk_scale: ``scale * log2(e)``, positive. min_dist: see the module's masks.
         OVERLAP, PINGPONG: FlashAttention-3's intra- and inter-warpgroup schedules
             (:func:`_overlapped_step`, :func:`_await_turn`); VALUES_FIRST: OVERLAP's step
-            with ``p v`` issued first. DYNAMIC: tiles claimed from
-            ``tile_counter_ptr`` (the module's persistent schedule).
+            with ``p v`` issued first; EARLY_WAITS: OVERLAP's step waits for the next
+            step's keys and values under its wgmma (:func:`_await_next`). DYNAMIC: tiles
+            claimed from ``tile_counter_ptr`` (the module's persistent schedule).
     """
     dtype: gl.constexpr = q_desc.dtype
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -733,10 +760,10 @@ def gluon_prefill_kernel(
                       NUM_KV_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL, DYNAMIC)),
          (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 0,
-                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, DIFFERENTIAL,
-                      LAMBDA_PER_PAIR)),
+                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS,
+                      DIFFERENTIAL, LAMBDA_PER_PAIR)),
          (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 1,
-                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, DIFFERENTIAL,
-                      LAMBDA_PER_PAIR))],
+                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS,
+                      DIFFERENTIAL, LAMBDA_PER_PAIR))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
