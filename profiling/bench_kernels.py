@@ -34,17 +34,15 @@ from compiled_attn.results import ResultRow, write_results
 
 DTYPE = torch.bfloat16
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-# Tiles of the Gluon prefill kernel timed beside its default (gluon_prefill.GluonTiles: block_m a
-# consumer, block_n, stages, overlap, pingpong, dynamic, values_first, early_waits). 2026-12-02,
-# before overlap and pingpong existed: 64x64 s3 and s4 lost to 64x128 s2 (0.68 against 0.64 ms at
-# B=8 S=2048); then neither schedule, overlap alone and pingpong alone lost to both; the dynamic
-# schedule lost 0.4-2.3% for plain attention (results/kernels.md, 2026-12-02). Timed now: the
-# default with early_waits (not yet run on a GPU: the consumers' clocks put its two waits at ~130
-# of a step's ~2850 cycles).
-GLUON_SWEEP: tuple[tuple, ...] = ((64, 128, 2, True, True, False, True, True),)
-# The same for the fused differential schedule at D 128 (its default: 64x64 s2 overlap pingpong
-# dynamic): with early_waits.
-GLUON_DIFFERENTIAL_SWEEP: tuple[tuple, ...] = ((64, 64, 2, True, True, True, False, True),)
+# Tiles of the Gluon prefill kernel timed beside its default: each entry's fields replace the
+# default's (gluon_prefill.GluonTiles). 2026-12-02, before overlap and pingpong existed: 64x64 s3
+# and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither schedule, overlap
+# alone and pingpong alone lost to both; the dynamic schedule lost 0.4-2.3% for plain attention
+# (results/kernels.md, 2026-12-02). Timed now: early_waits (not yet run on a GPU: the consumers'
+# clocks put a step's start-to-turn-wait at ~130 of its ~2850 cycles).
+GLUON_SWEEP: tuple[dict, ...] = (dict(early_waits=True),)
+# The same for the fused differential schedule (gluon_prefill.DIFFERENTIAL_TILES at D 128).
+GLUON_DIFFERENTIAL_SWEEP: tuple[dict, ...] = (dict(early_waits=True),)
 
 
 def _graph_ms(fn) -> float:
@@ -498,7 +496,7 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
                               "bf16 tolerance", 0.02, "<= 1.0"))
         hopper = _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu))
         flash = fa4 and _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0])
-        for tiles in (gluon_prefill.TILES, *(gluon_prefill.GluonTiles(*t) for t in GLUON_SWEEP)):
+        for tiles in (gluon_prefill.TILES, *(gluon_prefill.TILES._replace(**fields) for fields in GLUON_SWEEP)):
             label = tiles.label() + (" (default)" if tiles == gluon_prefill.TILES else "")
             try:
                 ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, tiles=tiles))
@@ -524,9 +522,14 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
         gluon_diff = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam))
         rows.append(ResultRow(f"prefill {case} differential: our hopper kernel (sequential) / gluon fused", "ms",
                               _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam)), "gluon ms", gluon_diff))
-        for tiles in (gluon_prefill.GluonTiles(*t) for t in GLUON_DIFFERENTIAL_SWEEP):
-            rows.append(ResultRow(f"prefill {case} differential: gluon fused {tiles.label()} / default", "ms",
-                                  _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles)),
+        for fields in GLUON_DIFFERENTIAL_SWEEP:
+            tiles = gluon_prefill.DIFFERENTIAL_TILES[D]._replace(**fields)
+            try:
+                ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))
+            except Exception as err:  # as the plain sweep: report, go on
+                print(f"gluon differential {tiles.label()} FAILED: {type(err).__name__}: {str(err)[:300]}")
+                continue
+            rows.append(ResultRow(f"prefill {case} differential: gluon fused {tiles.label()} / default", "ms", ms,
                                   "default ms", gluon_diff))
         rows.append(ResultRow(f"prefill {case} differential: gluon fused TFLOP/s", "TFLOP/s",
                               causal_flops(lens, True) / gluon_diff / 1e9, "plain gluon TFLOP/s",

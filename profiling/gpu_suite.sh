@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of the project, in stages that each fit one call of the device tool (several
 # named in one call run in order, e.g. `gpu_suite.sh report serving`: one machine start):
-#   bash profiling/gpu_suite.sh kernels  # kernel tests (pytest -m gpu, interpreter tests compiled),
-#                                        # a memcheck run of decode cases, profiling/bench_kernels.py
+#   bash profiling/gpu_suite.sh kernels  # kernel tests (fused_linear's, interpreter tests compiled;
+#                                        # test_gpu_kernels.py runs in `tests`), a memcheck run of
+#                                        # decode cases, profiling/bench_kernels.py
 #   bash profiling/gpu_suite.sh engine   # engine tests (pytest -m gpu), CLI on cuda, a split-count
 #                                        # sweep (SPLIT_SWEEP=0: none), traces and timelines of the
 #                                        # embedded model (B=8) and the bench model (B=1)
@@ -91,9 +92,9 @@ kernels)
     mkdir -p "$out/results"
     parallel=()
     python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)
-    # Serial: test_gpu_kernels.py's real-size cases take up to 70 GiB each (on 2026-12-02, 4 workers
-    # ran 39 of its cases out of memory; one process passed all 62 in 258 s).
-    run pytest_gpu_kernels 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu "$repo/tests/test_gpu_kernels.py"
+    # (test_gpu_kernels.py runs in the tests stage, in one process: its real-size cases take up to
+    # 70 GiB each; on 2026-12-02 the pytest stage's 4 workers ran 39 of them out of memory, one
+    # process passed all 62 in 258 s)
     run pytest_fused_linear 120 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" -m gpu \
         "$repo/tests/test_fused_linear.py"
     run pytest_interpret_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rs "${parallel[@]}" "$repo/tests/test_triton_interpret.py" \

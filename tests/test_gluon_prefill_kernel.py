@@ -44,6 +44,7 @@ SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.Glu
              "overlap": gluon_prefill.GluonTiles(overlap=True),
              "pingpong": gluon_prefill.GluonTiles(pingpong=True),
              "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True),
+             "n64-s3-early-waits": gluon_prefill.TILES._replace(block_n=64, stages=3, early_waits=True),
              "dynamic": gluon_prefill.TILES._replace(dynamic=True)}
 
 
@@ -195,13 +196,19 @@ def test_one_unit_many_sequences():
     about 600 work tiles for 132 programs, whose consecutive tiles lie 132 query tiles apart
     (round-robin, plain; about as far when claimed, differential) and skip one sequence or
     several, so the sequence a program keeps (``_locate``) is left on most of its tiles and
-    found again as the one before (``_seek``'s first test) or by the binary search."""
+    found again as the one before (``_seek``'s first test) or by the binary search; also with
+    ``early_waits``, plain and differential."""
     g = torch.Generator().manual_seed(11)
     q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
     q_lens[7] = q_lens[20] = q_lens[299] = 0
     k_lens = [q + int(torch.randint(0, 90, (), generator=g)) for q in q_lens]
     run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=12)
     run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=13)
+    # early_waits across a program's work tiles (a tile's last step waits for no next keys)
+    run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=14,
+               tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(early_waits=True))
+    run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=15,
+               tiles=gluon_prefill.TILES._replace(early_waits=True))
 
 
 @gpu
@@ -291,7 +298,7 @@ def test_compiles_for_sm90():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 11
+    assert len(report) == 12
     for row in report:
         assert 0 < row["shared"] <= 227 * 1024, row
         assert not row["wgmma_serialized"], row
@@ -438,7 +445,8 @@ def test_paged_prefill_in_a_cuda_graph(differential, monkeypatch):
 
 def test_launch_problems_are_named():
     """The launchers refuse what the kernel cannot read with a ValueError (metadata of another
-    dtype: a TypeError) naming the tensor, before any launch (CPU tensors: the check runs first)."""
+    dtype: a TypeError) naming the tensor, and tiles it does not run with a ValueError naming
+    them, before any launch (CPU tensors: the checks run first)."""
     q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
     kv = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -454,6 +462,11 @@ def test_launch_problems_are_named():
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, out=torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2])
     with pytest.raises(TypeError, match=r"cu_seqlens_k must have dtype in \(torch.int32\), got torch.int64"):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu.long())
+    for tiles, match in ((gluon_prefill.GluonTiles(early_waits=True), "early_waits need overlap=True"),
+                         (gluon_prefill.GluonTiles(values_first=True), "values_first and early_waits need overlap"),
+                         (gluon_prefill.TILES._replace(stages=1, early_waits=True), "early_waits needs stages >= 2")):
+        with pytest.raises(ValueError, match=match):
+            gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, tiles=tiles)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"seq_lens must have dtype in \(torch.int32\), got torch.int64"):
         gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([8]), torch.zeros(1, 2, dtype=torch.int32))

@@ -49,8 +49,8 @@ class GluonTiles(NamedTuple):
     early_waits: bool = False
 
     def label(self) -> str:
-        """``64x128 s2`` with `` overlap`` / `` values-first`` / `` early-waits`` / ``
-        pingpong`` / `` dynamic`` where set (benchmark rows)."""
+        """``64x128 s2`` with each set schedule's name appended (`` overlap``, `` values-first``,
+        `` early-waits``, `` pingpong``, `` dynamic``; benchmark rows)."""
         schedules = (" overlap" * self.overlap + " values-first" * self.values_first
                      + " early-waits" * self.early_waits + " pingpong" * self.pingpong + " dynamic" * self.dynamic)
         return f"{self.block_m}x{self.block_n} s{self.stages}{schedules}"
@@ -181,7 +181,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         would be left unwritten.
 
     Raises:
-        ValueError: tensors the kernel cannot read (:func:`launch_problem`), before any launch.
+        ValueError: tensors the kernel cannot read (:func:`launch_problem`) or tiles it does
+            not run (:func:`_validate_tiles`), before any launch.
         TypeError: metadata not int32 (``validation.check_dtype``), before any launch.
     """
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
@@ -214,6 +215,16 @@ def _descriptor(tensor: Tensor, rows: int, box_rows: int, box_heads: int = 1):
     return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], box, layout)
 
 
+def _validate_tiles(tiles: GluonTiles) -> None:
+    """``values_first`` and ``early_waits`` are orders of ``overlap``'s step (without it the
+    kernel would ignore them), and ``early_waits`` needs two key/value buffers (with one, a
+    step would wait for keys whose buffer it has not released). Raises ValueError."""
+    if (tiles.values_first or tiles.early_waits) and not tiles.overlap:
+        raise ValueError(f"tiles: values_first and early_waits need overlap=True, got {tiles}")
+    if tiles.early_waits and tiles.stages < 2:
+        raise ValueError(f"tiles: early_waits needs stages >= 2, got {tiles}")
+
+
 def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
             tiles) -> Tensor:
     """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
@@ -221,6 +232,8 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     differential = lambda_full is not None
     if (problem := launch_problem(q, k, v, out, differential)) is not None:
         raise ValueError(problem)
+    tiles = tiles or (DIFFERENTIAL_TILES[q.shape[-1]] if differential else TILES)
+    _validate_tiles(tiles)
     kv_name = "cu_seqlens_k" if block_table is None else "seq_lens"
     for name, tensor in (("cu_seqlens_q", cu_seqlens_q), (kv_name, kv_lens), ("block_table", block_table)):
         if tensor is not None:
@@ -231,7 +244,6 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
         return out
     if k.shape[0] == 0:  # no key at all (a TMA descriptor needs rows): every row sees nothing
         return out.zero_()
-    tiles = tiles or (DIFFERENTIAL_TILES[head_size] if differential else TILES)
     paged = block_table is not None
     # the kernel reads the metadata as dense rows (no-ops for the usual contiguous tensors)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()

@@ -21,10 +21,10 @@ softmax runs. Here each program holds three partitions:
   moves the wait for ``p v`` above the softmax, and a branch that kept it in place ran
   slower on the H200: ``profiling/results/kernels.md``, 2026-12-02); ``VALUES_FIRST`` (with
   ``OVERLAP``): ``p v`` issued before the next scores, both retired before the softmax, one
-  wgmma batch a step (what ptxas made of ``OVERLAP`` anyway, with ``p`` converted to the
-  16-bit operand once a step); ``EARLY_WAITS`` (with ``OVERLAP``): a step waits for the next
-  step's keys and values while its wgmma run. ``DIFFERENTIAL``: both consumers take the
-  same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
+  wgmma batch a step (what ptxas made of ``OVERLAP`` anyway; ``p`` carried in fp32 and
+  converted at the next step's start); ``EARLY_WAITS`` (with ``OVERLAP``): a step waits for
+  the next step's keys and values while its wgmma run. ``DIFFERENTIAL``: both consumers take
+  the same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
   (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
   ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6 head-size GEMM units a tile, as the
   differential transformer's two softmaxes need); consumer 1 hands its normalized result
@@ -452,7 +452,10 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
 @gluon.jit
 def _await_next(k_ready, v_ready, kv_count, has_next, STAGES: gl.constexpr):
     """EARLY_WAITS: wait, under this step's wgmma, for what the next step reads: this tile's
-    values (buffer ``kv_count``) and, when ``has_next``, the next tile's keys."""
+    values (buffer ``kv_count % STAGES``) and, when ``has_next``, the next tile's keys. The
+    step's releases of its own buffers come after these waits, so a load that is late also
+    holds back the release that lets the producer start the load after it; on the H200 the
+    loads had landed long before the waits (the consumers' clocks, 2026-12-02)."""
     mbarrier.wait(v_ready.index(kv_count % STAGES), (kv_count // STAGES) & 1)
     mbarrier.wait(k_ready.index((kv_count + 1) % STAGES), ((kv_count + 1) // STAGES) & 1, pred=has_next)
 
@@ -524,7 +527,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
     """``(m, l, acc, kv_count, turn_count)`` of a consumer's rows over key tiles ``tile_hi -
     1`` down to 0, the first ``masked_steps`` (>= 1 when ``tile_hi > 0``) masked. ``OVERLAP``:
     :func:`_overlapped_step` (the first tile without ``p v``, the last tile's ``p v`` after
-    the loops); else :func:`_plain_step`."""
+    the loops; ``EARLY_WAITS``: the first tile's step waits for the second's keys and its own
+    values, and the last ``p v`` finds its values waited for); else :func:`_plain_step`."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
