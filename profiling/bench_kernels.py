@@ -69,6 +69,16 @@ def _queued_ms(fn, calls: int = 8, repetitions: int = 20) -> float:
     return estimate / calls
 
 
+def _sweep_ms(label: str, fn) -> float | None:
+    """:func:`_queued_ms` of a sweep's alternative, or ``None`` (printed with ``label``) where
+    it does not compile or launch here, so the other rows still come back."""
+    try:
+        return _queued_ms(fn)
+    except Exception as err:  # noqa: BLE001 - any failure of one alternative: report, go on
+        print(f"{label} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        return None
+
+
 def _alternated_ms(first, second, rounds: int = 5) -> tuple[float, float]:
     """``(first, second)``: the medians of ``rounds`` :func:`_queued_ms` timings of each,
     taken in turns, so a drift of the clocks during the run weighs on both alike (one
@@ -423,10 +433,8 @@ def _hopper_queued_ms(q, k, v, cu, lam) -> dict[str, float]:
     times = {}
     for tiles in every:
         label = tiles.label() + (" (default)" if tiles == default else "")
-        try:
-            times[label] = _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))
-        except Exception as err:
-            print(f"hopper {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        if (ms := _sweep_ms(f"hopper {label}", lambda: varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))) is not None:
+            times[label] = ms
     return times
 
 
@@ -498,10 +506,8 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
         flash = fa4 and _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)[0])
         for tiles in (gluon_prefill.TILES, *(gluon_prefill.TILES._replace(**fields) for fields in GLUON_SWEEP)):
             label = tiles.label() + (" (default)" if tiles == gluon_prefill.TILES else "")
-            try:
-                ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, tiles=tiles))
-            except Exception as err:  # a tile that does not compile or launch here: report, go on
-                print(f"gluon {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
+            ms = _sweep_ms(f"gluon {label}", lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, tiles=tiles))
+            if ms is None:
                 continue
             target = ">= 1.0" if "default" in label else ""
             rows.append(ResultRow(f"prefill {case} plain: our hopper kernel / gluon {label}", "ms", hopper,
@@ -524,10 +530,9 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
                               _queued_ms(lambda: varlen_prefill(q, k, v, cu, cu, lam)), "gluon ms", gluon_diff))
         for fields in GLUON_DIFFERENTIAL_SWEEP:
             tiles = gluon_prefill.DIFFERENTIAL_TILES[D]._replace(**fields)
-            try:
-                ms = _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))
-            except Exception as err:  # as the plain sweep: report, go on
-                print(f"gluon differential {tiles.label()} FAILED: {type(err).__name__}: {str(err)[:300]}")
+            ms = _sweep_ms(f"gluon differential {tiles.label()}",
+                           lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu, lam, tiles=tiles))
+            if ms is None:
                 continue
             rows.append(ResultRow(f"prefill {case} differential: gluon fused {tiles.label()} / default", "ms", ms,
                                   "default ms", gluon_diff))

@@ -39,7 +39,7 @@ def compiled_code(fn, *args):
     other flags (another parametrization with the same shapes, another worker through the
     on-disk cache) would come back with its kernels (on the H200, 2026-12-02, with the caches
     on, the ``prefill_kernel-64`` case, run after the ``attention_kernel-64`` case in the same
-    process, found no ``prefill_kernel`` in its code; not yet run with them off)."""
+    process, found no ``prefill_kernel`` in its code; with them off it passed)."""
     torch._dynamo.reset()
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
