@@ -43,7 +43,7 @@ concatenated ``[v1 | v2]`` and an eager combine, 1.764 ms as the seed's four cal
 0.987 ms for its two calls with no combine at all. So the calls our varlen launcher routes
 to that kernel (``triton_kernels.attention.prefill_kernel_takes``: head size 128 on an sm90
 GPU) stay ours (:func:`hopper_takes`; the launcher now runs them on the Gluon kernel's fused
-schedule, ``attention.GLUON_DIFFERENTIAL``: 0.881 ms against flash-attn 4's two calls' 0.988 on
+schedule, ``attention.GLUON_DIFFERENTIAL``: 0.854 ms against flash-attn 4's two calls' 0.967 on
 2026-12-02), and the others, timed on neither side, take the two calls
 (:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
 flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel (0.806 on the unified one):

@@ -38,9 +38,8 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 # default's (gluon_prefill.GluonTiles). 2026-12-02, before overlap and pingpong existed: 64x64 s3
 # and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither schedule, overlap
 # alone and pingpong alone lost to both; the dynamic schedule lost 0.4-2.3% for plain attention
-# (results/kernels.md, 2026-12-02). Timed now: early_waits (not yet run on a GPU: the consumers'
-# clocks put a step's start-to-turn-wait at ~130 of its ~2850 cycles).
-GLUON_SWEEP: tuple[dict, ...] = (dict(early_waits=True),)
+# (results/kernels.md, 2026-12-02); early_waits won (now the default): timed now without it.
+GLUON_SWEEP: tuple[dict, ...] = (dict(early_waits=False),)
 # The same for the fused differential schedule (gluon_prefill.DIFFERENTIAL_TILES at D 128).
 GLUON_DIFFERENTIAL_SWEEP: tuple[dict, ...] = (dict(early_waits=True),)
 

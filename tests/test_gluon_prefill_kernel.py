@@ -39,12 +39,12 @@ gpu = pytest.mark.skipif(not ON_SM90, reason="needs an sm90 GPU (H100/H200) and 
 # key/value waits in the step or a step early), inter-warpgroup ping-pong, both
 SCHEDULES = {"overlap-pingpong": gluon_prefill.TILES, "plain": gluon_prefill.GluonTiles(),
              "scores-first": gluon_prefill.TILES._replace(values_first=False),
-             "early-waits": gluon_prefill.TILES._replace(early_waits=True),
-             "scores-first-early-waits": gluon_prefill.TILES._replace(values_first=False, early_waits=True),
+             "step-waits": gluon_prefill.TILES._replace(early_waits=False),
+             "scores-first-step-waits": gluon_prefill.TILES._replace(values_first=False, early_waits=False),
              "overlap": gluon_prefill.GluonTiles(overlap=True),
              "pingpong": gluon_prefill.GluonTiles(pingpong=True),
              "n64-overlap-pingpong": gluon_prefill.GluonTiles(64, 64, 3, overlap=True, pingpong=True),
-             "n64-s3-early-waits": gluon_prefill.TILES._replace(block_n=64, stages=3, early_waits=True),
+             "n64-s3": gluon_prefill.TILES._replace(block_n=64, stages=3),
              "dynamic": gluon_prefill.TILES._replace(dynamic=True)}
 
 
@@ -197,18 +197,18 @@ def test_one_unit_many_sequences():
     (round-robin, plain; about as far when claimed, differential) and skip one sequence or
     several, so the sequence a program keeps (``_locate``) is left on most of its tiles and
     found again as the one before (``_seek``'s first test) or by the binary search; also with
-    ``early_waits``, plain and differential."""
+    the other ``early_waits`` of each (plain: the default has it, differential: not)."""
     g = torch.Generator().manual_seed(11)
     q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
     q_lens[7] = q_lens[20] = q_lens[299] = 0
     k_lens = [q + int(torch.randint(0, 90, (), generator=g)) for q in q_lens]
     run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=12)
     run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=13)
-    # early_waits across a program's work tiles (a tile's last step waits for no next keys)
+    # early_waits on and off across a program's work tiles (a tile's last step waits for no next keys)
     run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=14,
                tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(early_waits=True))
     run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=15,
-               tiles=gluon_prefill.TILES._replace(early_waits=True))
+               tiles=gluon_prefill.TILES._replace(early_waits=False))
 
 
 @gpu

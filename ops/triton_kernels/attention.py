@@ -72,10 +72,11 @@ GLUON_PREFILL = True
 covers the call, before the routes above: ``varlen_attention`` calls :func:`gluon_takes_varlen`
 takes and ``paged_attention`` calls :func:`gluon_takes_paged` takes (differential ones also
 need :data:`GLUON_DIFFERENTIAL`). On the H200 (2026-12-02, bf16, causal, Hq 32, Hkv 8, D 128,
-``profiling/bench_kernels.py --parts gluon``, the 19th session's run) plain prefill took 0.557
-ms at B=8 S=2048 against 0.745 for the Hopper prefill kernel and 0.559 for flash-attn 4 (6.81 /
-8.41 / 6.55 ms for 64 sequences of 128-4096 tokens), and paged prefill (512 new tokens after
-4096 cached, block 16) 0.542 ms against 0.552 for flash-attn 4's paged call, 0.817 for the
+``profiling/bench_kernels.py --parts gluon``, the 20th session's run) plain prefill took 0.548
+ms at B=8 S=2048 against 0.753 for the Hopper prefill kernel and 0.556 for flash-attn 4 (6.70 /
+8.37 / 6.52 ms for 64 sequences of 128-4096 tokens), and paged prefill (512 new tokens after
+4096 cached, block 16; tiles without ``early_waits``) 0.546 ms against 0.550 for flash-attn 4's
+paged call, 0.817 for the
 Hopper kernel's paged path (2026-12-01) and 1.161 for the unified kernel, which served it.
 Read at each call, and at trace time: a graph traced or captured with it off keeps the
 kernels it got. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel cannot
@@ -84,10 +85,10 @@ be traced into Inductor's code: ``ops/backends.py``)."""
 GLUON_DIFFERENTIAL = True
 """Whether differential calls the Gluon kernel covers run there too (its fused schedule: the
 two components on its two consumer warpgroups, each key/value tile loaded once). On the H200
-(2026-12-02, same call as :data:`GLUON_PREFILL`'s numbers) it took 0.881 ms at B=8 S=2048
-against 0.968 for the Hopper prefill kernel's sequential schedule, which served these calls
-before, and 0.988 for flash-attn 4's two calls (10.36 / 11.34 / 11.55 ms for 64 sequences of
-128-4096 tokens); paged (512 new after 4096 cached, block 16) 0.869 ms, where the unified
+(2026-12-02, same call as :data:`GLUON_PREFILL`'s numbers) it took 0.854 ms at B=8 S=2048
+against 0.954 for the Hopper prefill kernel's sequential schedule, which served these calls
+before, and 0.967 for flash-attn 4's two calls (9.91 / 11.28 / 11.39 ms for 64 sequences of
+128-4096 tokens); paged (512 new after 4096 cached, block 16) 0.859 ms, where the unified
 kernel had served it (2.105 ms on 2026-12-01). Off: the routes above, as before."""
 
 

@@ -67,7 +67,14 @@ class GluonTiles(NamedTuple):
 # 6.61 against 6.69 / 6.71 for the 64 sequences, 0.969 / 0.972 against 0.984 / 0.983 non-causal B=8
 # S=2048, B=1 S=16384 level; differential (its tiles below) 10.34 / 10.30 against 10.12 / 10.20 for
 # the 64 sequences: left off there.
-TILES = GluonTiles(overlap=True, pingpong=True, values_first=True)
+# `early_waits` (2026-12-02, three calls, against the same tiles without; the softmax of that day's
+# last kernel: tree row maxima, the accumulator rescaled among the exponentials, probabilities packed
+# in pairs): 0.5455 / 0.5481 ms against 0.5667 / 0.5574 at B=8 S=2048, 6.701 / 6.695 / 6.661 against
+# 6.850 / 6.858 / 6.827 for the 64 sequences, 3.737 against 3.889 at B=1 S=16384. The same calls
+# timed the differential schedule with it slower (0.8806 / 0.9159 ms against 0.8473 / 0.8535 at B=8
+# S=2048), and a quarter of the exponentials on the FMA pipe (flash-attn 4's ex2 emulation)
+# slower for both (plain 6.971 against 6.858 ms, differential 10.26 against 9.911): not kept.
+TILES = GluonTiles(overlap=True, pingpong=True, values_first=True, early_waits=True)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
 # (2026-12-02, D 128, the day's last runs): dynamic 0.874 ms at B=8 S=2048 against 0.957 round-robin

@@ -21,14 +21,16 @@ softmax runs. Here each program holds three partitions:
   moves the wait for ``p v`` above the softmax, and a branch that kept it in place ran
   slower on the H200: ``profiling/results/kernels.md``, 2026-12-02); ``VALUES_FIRST`` (with
   ``OVERLAP``): ``p v`` issued before the next scores, both retired before the softmax, one
-  wgmma batch a step (what ptxas made of ``OVERLAP`` anyway; ``p`` carried in fp32 and
-  converted at the next step's start); ``EARLY_WAITS`` (with ``OVERLAP``): a step waits for
-  the next step's keys and values while its wgmma run. ``DIFFERENTIAL``: both consumers take
-  the same ``BLOCK_M`` rows of one head pair, consumer ``c`` the component ``c``
-  (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile loaded once (``k1``, ``k2`` and the
-  ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6 head-size GEMM units a tile, as the
-  differential transformer's two softmaxes need); consumer 1 hands its normalized result
-  to consumer 0 through shared memory, which writes ``o_1 - lambda * o_2``.
+  wgmma batch a step (what ptxas made of ``OVERLAP`` anyway); ``EARLY_WAITS`` (with
+  ``OVERLAP``): a step waits for the next step's keys and values while its wgmma run. The
+  softmax between keeps ptxas's issue slots full: tree row maxima, the accumulator rescaled
+  among the exponentials, the probabilities packed to 16 bits there (:func:`_softmax`).
+  ``DIFFERENTIAL``: both consumers take the same ``BLOCK_M`` rows of one head pair,
+  consumer ``c`` the component ``c`` (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile
+  loaded once (``k1``, ``k2`` and the ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6
+  head-size GEMM units a tile, as the differential transformer's two softmaxes need);
+  consumer 1 hands its normalized result to consumer 0 through shared memory, which writes
+  ``o_1 - lambda * o_2``.
 
 The program is **persistent**: ``min(work tiles, multiprocessors)`` programs walk the work
 tiles, a tile being one query head and ``2 * BLOCK_M`` query tokens of one sequence
@@ -105,6 +107,18 @@ def _mma_layout(cols):
     """The wgmma accumulator layout of one warpgroup over ``[64 * k, cols]`` (bf16/fp16
     operands: instruction k 16)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.constexpr_function
+def _log2(n):
+    """``log2(n)`` of a power of two ``n >= 1``."""
+    return n.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _twice(dtype):
+    """``(dtype, dtype)``: the results of an inline asm that yields two values."""
+    return (dtype, dtype)
 
 
 @gluon.constexpr_function
@@ -390,23 +404,52 @@ def _issue_scores(q_smem, k_smem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
+def _column_halves(x):
+    """``x [M, N]`` (a wgmma accumulator's layout, ``N >= 16``) as its two halves ``[M, N / 2]``
+    by the columns' top bit, which each thread holds in registers: no data moves."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _fold_columns(x, MAX: gl.constexpr):
+    """``x [M, N]`` (a wgmma accumulator's layout) folded to ``[M, 4]``: a thread's maximum
+    (``MAX``) or sum of the ``N / 4`` columns it holds of each row, as a tree (a row's values
+    in one chain would take ``N / 4`` dependent instructions; flash-attn 4's ``fmax_reduce``
+    keeps four). The four columns left are the row's four threads (a quad)."""
+    for _ in gl.static_range(_log2(x.shape[1] // 8)):
+        a, b = _column_halves(x)
+        x = gl.maximum(a, b) if MAX else a + b
+    a, b = gl.split(gl.reshape(x, [x.shape[0], 4, 2]))
+    return gl.maximum(a, b) if MAX else a + b
+
+
+@gluon.jit
+def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+             dtype: gl.constexpr):
     """One online-softmax step over the scores ``s`` of the key tile from key ``start``,
     masked when ``MASKED`` (keys past ``kv_len`` or unseen from positions ``pos``):
-    ``(m_new, l_new, p, alpha)``; the accumulator's update is ``acc * alpha + p v``."""
+    ``(m_new, l_new, p, alpha)``; the accumulator's update is ``acc * alpha + p v``. The
+    row maximum is a tree (:func:`_fold_columns`), ``alpha`` comes first (below). ``l``
+    is ``[M, 4]``, each quad thread's share of its row's sum (:func:`_fold_columns`; summed
+    once, by :func:`_normalize`, as FlashAttention-3 does); ``p`` is rounded to ``dtype`` in
+    pairs (:func:`_pack_pairs`)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     if MASKED:
         keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = ((pos[:, None] - keys[None, :]) >= min_dist) & (keys < kv_len)[None, :]
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m, gl.max(s, axis=1))
+    m_new = gl.maximum(m, gl.convert_layout(gl.max(_fold_columns(s, True), axis=1), m.type.layout))
     if MASKED:  # a row that has seen no key yet keeps max -inf: exponents against 0
         m_new_scaled = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
     else:
         m_new_scaled = m_new * qk_scale
-    p = gl.exp2(s * qk_scale - m_new_scaled[:, None])
     alpha = gl.exp2(m * qk_scale - m_new_scaled)
-    return m_new, l * alpha + gl.sum(p, axis=1), p, alpha
+    # (alpha * 0 + m: ptxas then computes alpha first and rescales the accumulator among the
+    # exponentials, where issue slots are idle; without it, after them)
+    m_new_scaled = gl.fma(alpha, 0.0, m_new_scaled)
+    p = gl.exp2(s * qk_scale - m_new_scaled[:, None])
+    l = l * gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout))[:, None] + _fold_columns(p, False)
+    return m_new, l, _pack_pairs(p, dtype), alpha
 
 
 @gluon.jit
@@ -416,11 +459,27 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _as_operand(p, dtype: gl.constexpr, VALUE_COLS: gl.constexpr):
-    """The probabilities as the register A operand of ``p v`` (a no-op layout change: the
-    wgmma accumulator's fragment is the next wgmma's A fragment)."""
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=_mma_layout(VALUE_COLS),
-                                                              k_width=2))
+def _pack_pairs(x, dtype: gl.constexpr):
+    """``x [M, N]`` fp32 (a wgmma accumulator's layout) rounded to 16-bit ``dtype``, each
+    thread's column pair in one int32 (``[M, N / 2]``; ``cvt.rn.bf16x2.f32``/``f16x2``). A
+    step's probabilities cross the loop in this form: carried as 16-bit values they were
+    repacked with 64 byte permutes a step, carried in fp32 their 32 conversions sat between the
+    softmax and the next wgmma (SASS, Triton 3.6); converted here they run among the
+    exponentials."""
+    lo, hi = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    pair: gl.constexpr = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
+    return gl.inline_asm_elementwise(f"cvt.rn.{pair}.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _as_operand(pairs, dtype: gl.constexpr, VALUE_COLS: gl.constexpr):
+    """The probabilities (:func:`_pack_pairs`) as the register A operand of ``p v`` (no data
+    moves: the wgmma accumulator's fragment is the next wgmma's A fragment)."""
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=_twice(dtype),
+                                       is_pure=True, pack=1)
+    p = gl.reshape(gl.join(lo, hi), [pairs.shape[0], 2 * pairs.shape[1]])
+    return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=_mma_layout(VALUE_COLS), k_width=2))
 
 
 @gluon.jit
@@ -438,7 +497,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     _pass_turn(turns, CONSUMER, PINGPONG)
     scores = warpgroup_mma_wait(0, deps=(scores,))
     mbarrier.arrive(k_empty.index(s), count=1)
-    m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
+    m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
     acc = _rescale(acc, alpha)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
@@ -471,12 +530,13 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
     previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
     tile's softmax runs while ``p v`` is still on the tensor cores (in the PTX: ptxas moves
     the wait for ``p v`` above the softmax). ``VALUES_FIRST``: ``p v`` issued first, both
-    retired before the softmax (one wgmma batch a step; ``p`` carried in fp32 and converted
-    here: carried as the 16-bit operand it cost 64 byte permutes a step). ``EARLY_WAITS``:
+    retired before the softmax (one wgmma batch a step). ``p`` crosses steps in 16-bit pairs
+    (:func:`_pack_pairs`). ``EARLY_WAITS``:
     this step's keys and values were waited for by the step before (:func:`_await_next`; on
     the H200, 2026-12-02, a step's start to its turn wait took ~130 of its ~2850 cycles, on
     the consumers' critical path), and it waits for the next step's (``has_next``: there is a
-    next key tile) while its wgmma run. Returns ``(m, l, acc, p, kv_count,
+    next key tile) while its wgmma run (plain prefill 2-4% faster with it, the differential
+    schedule 1-7% slower: ``profiling/results/kernels.md``, 2026-12-02). Returns ``(m, l, acc, p, kv_count,
     turn_count)`` of the next step."""
     s = kv_count % STAGES
     phase = (kv_count // STAGES) & 1
@@ -497,7 +557,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
         mbarrier.arrive(v_empty.index(prev), count=1)
         scores = warpgroup_mma_wait(0, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
-        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
+        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
     else:
         if not EARLY_WAITS:
             mbarrier.wait(k_ready.index(s), phase)
@@ -505,16 +565,15 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
         scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
         if not EARLY_WAITS:
             mbarrier.wait(v_ready.index(prev), prev_phase)
-        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(prev), acc, is_async=True)
         _pass_turn(turns, CONSUMER, PINGPONG)
         if EARLY_WAITS:
             _await_next(k_ready, v_ready, kv_count, has_next, STAGES)
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
-        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N)
+        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        p = _as_operand(p, v_bufs.dtype, VALUE_COLS)
     return m, l, _rescale(acc, alpha), p, kv_count + 1, turn_count + 1
 
 
@@ -531,7 +590,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
     values, and the last ``p v`` finds its values waited for); else :func:`_plain_step`."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    l = _fold_columns(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), False)
     acc = gl.zeros([BLOCK_M, VALUE_COLS], gl.float32, _mma_layout(VALUE_COLS))
     if OVERLAP:
         if tile_hi > 0:
@@ -545,9 +604,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_empty.index(s), count=1)
             m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale, True,
-                                      BLOCK_N)  # (acc is 0: no rescale)
-            if not VALUES_FIRST:
-                p = _as_operand(p, v_bufs.dtype, VALUE_COLS)
+                                      BLOCK_N, v_bufs.dtype)  # (acc is 0: no rescale)
             kv_count += 1
             turn_count += 1
             for step in range(1, masked_steps):
@@ -562,13 +619,11 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
                     False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
                     step + 1 < tile_hi)
-            if VALUES_FIRST:
-                p = _as_operand(p, v_bufs.dtype, VALUE_COLS)
             prev = (kv_count - 1) % STAGES
             if not EARLY_WAITS:
                 mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
             _await_turn(turns, turn_count, CONSUMER, PINGPONG)
-            acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(prev), acc, is_async=True)
             _pass_turn(turns, CONSUMER, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -589,8 +644,9 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
 
 @gluon.jit
 def _normalize(acc, l):
-    """``acc / l`` per row, zeros for rows that saw no key (``l == 0``)."""
-    l = gl.convert_layout(l, gl.SliceLayout(1, acc.type.layout))
+    """``acc / l`` per row (``l``: the quads' shares, :func:`_softmax`), zeros for rows that
+    saw no key (``l == 0``)."""
+    l = gl.convert_layout(gl.sum(l, axis=1), gl.SliceLayout(1, acc.type.layout))
     return gl.where(l[:, None] > 0, acc / gl.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
