@@ -108,8 +108,8 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     (``gluon_prefill``) at its tiles, bf16 causal, Hq 32, Hkv 8, on 132 multiprocessors:
     plain contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64
     over blocks of 16; differential contiguous at D 64 and 128 and paged at D 128 (block 16);
-    plain without ``early_waits`` (its default) contiguous and paged (block 16), and the
-    differential schedule with it, contiguous, at D 128."""
+    plain without its default ``early_waits`` (step waits) contiguous and paged (block 16),
+    and the differential schedule with it, contiguous, at D 128."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
 

@@ -466,6 +466,7 @@ def _pack_pairs(x, dtype: gl.constexpr):
     repacked with 64 byte permutes a step, carried in fp32 their 32 conversions sat between the
     softmax and the next wgmma (SASS, Triton 3.6); converted here they run among the
     exponentials."""
+    gl.static_assert((dtype == gl.bfloat16) or (dtype == gl.float16), "16-bit probabilities: bf16 or fp16")
     lo, hi = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
     pair: gl.constexpr = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
     return gl.inline_asm_elementwise(f"cvt.rn.{pair}.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=gl.int32,
