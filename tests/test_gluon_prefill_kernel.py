@@ -291,7 +291,8 @@ def test_compiles_for_sm90():
     """The kernel lowers to a cubin for sm90 (plain contiguous and paged at blocks 16/64/256,
     D 64 and 128; differential contiguous and paged; plain without its default ``early_waits``
     (step waits) and differential with it) within 227 KiB of shared memory, its wgmma not
-    serialized by ptxas and with at most small register spills (``tests/compile_sm90.py gluon``, no GPU needed)."""
+    serialized by ptxas and with at most small register spills (``tests/compile_sm90.py
+    gluon``, no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
     done = subprocess.run([sys.executable, str(script), "gluon"], env=env, capture_output=True, text=True,

@@ -76,8 +76,8 @@ need :data:`GLUON_DIFFERENTIAL`). On the H200 (2026-12-02, bf16, causal, Hq 32, 
 ms at B=8 S=2048 against 0.753 for the Hopper prefill kernel and 0.556 for flash-attn 4 (6.70 /
 8.37 / 6.52 ms for 64 sequences of 128-4096 tokens), and paged prefill (512 new tokens after
 4096 cached, block 16; tiles without ``early_waits``) 0.546 ms against 0.550 for flash-attn 4's
-paged call, 0.817 for the
-Hopper kernel's paged path (2026-12-01) and 1.161 for the unified kernel, which served it.
+paged call, 0.817 for the Hopper kernel's paged path (2026-12-01) and 1.161 for the unified
+kernel, which served it.
 Read at each call, and at trace time: a graph traced or captured with it off keeps the
 kernels it got. Under ``torch.compile`` the calls it takes stay opaque (a Gluon kernel cannot
 be traced into Inductor's code: ``ops/backends.py``)."""
