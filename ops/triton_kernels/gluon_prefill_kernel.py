@@ -236,12 +236,20 @@ def _field(row, index: gl.constexpr):
 
 
 @gluon.jit
+def _stage(count, STAGES: gl.constexpr):
+    """``(buffer, phase)`` of a ring of ``STAGES`` buffers at its ``count``-th use: the
+    buffer ``count % STAGES`` and the parity of its mbarrier's phase for that use (a
+    producer's wait for the buffer's release flips it)."""
+    return count % STAGES, (count // STAGES) & 1
+
+
+@gluon.jit
 def _take_tile(posts, q_ready, q_count):
     """A consumer: ``(unit, q_first, q_start, q_len, kv_len)`` of the work tile the producer
     posted with query buffer ``q_count % 2`` (waits for its ``q_ready``; unit -1: no more
     tiles)."""
-    qi = q_count % 2
-    mbarrier.wait(q_ready.index(qi), (q_count // 2) & 1)
+    qi, phase = _stage(q_count, 2)
+    mbarrier.wait(q_ready.index(qi), phase)
     row = posts.index(qi).load(_post_layout())
     return (_field(row, POST_UNIT), _field(row, POST_Q_FIRST), _field(row, POST_Q_START), _field(row, POST_Q_LEN),
             _field(row, POST_KV_LEN))
@@ -298,8 +306,8 @@ def _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, count, table_row, kv_s
     """The values of keys ``start .. start + BLOCK_N`` into buffer ``count % STAGES`` once the
     consumers have released it: TMA copies (``ELEMENT_BYTES`` a value), or
     :func:`_gather_values` for the tile that holds the sequence's last key."""
-    s = count % STAGES
-    mbarrier.wait(v_empty.index(s), ((count // STAGES) & 1) ^ 1)
+    s, phase = _stage(count, STAGES)
+    mbarrier.wait(v_empty.index(s), phase ^ 1)
     if start + BLOCK_N > kv_len:
         _gather_values(v_ptr, v_bufs.index(s), v_ready.index(s), table_row, kv_start, kv_len, start, col, stride_vb,
                        stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS)
@@ -340,8 +348,8 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
             tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
             TILE_M, PAGED)
         if q_first < q_len:
-            qi = q_count % 2
-            mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
+            qi, phase = _stage(q_count, 2)
+            mbarrier.wait(q_empty.index(qi), phase ^ 1)
             _post_tile(posts.index(qi), unit, q_first, q_start, q_len, kv_len)
             mbarrier.expect(q_ready.index(qi), PARTS * q_desc.block_type.nbytes)
             for part in gl.static_range(PARTS):
@@ -358,8 +366,8 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
             table_row = block_table_ptr + seq * stride_bt
             for step in range(tile_hi):
                 start = (tile_hi - 1 - step) * BLOCK_N
-                s = kv_count % STAGES
-                mbarrier.wait(k_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
+                s, phase = _stage(kv_count, STAGES)
+                mbarrier.wait(k_empty.index(s), phase ^ 1)
                 mbarrier.expect(k_ready.index(s), PARTS * BLOCK_N * HEAD_SIZE * ELEMENT_BYTES)
                 for part in gl.static_range(PARTS):
                     _copy_kv_tile(k_desc, k_bufs.index(s * PARTS + part), k_ready.index(s), table_row, kv_start,
@@ -374,8 +382,8 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
                              col, cache_rows, stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N, VALUE_COLS, STAGES,
                              ELEMENT_BYTES)
         tile = next_tile
-    qi = q_count % 2  # the end: unit -1, no queries (a plain arrive)
-    mbarrier.wait(q_empty.index(qi), ((q_count // 2) & 1) ^ 1)
+    qi, phase = _stage(q_count, 2)  # the end: unit -1, no queries (a plain arrive)
+    mbarrier.wait(q_empty.index(qi), phase ^ 1)
     _post_tile(posts.index(qi), -1, 0, 0, 0, 0)
     mbarrier.arrive(q_ready.index(qi), count=1)
 
@@ -490,8 +498,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
                 STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr):
     """A key tile without overlap: scores, softmax, ``p v``, each waited for in turn (keys
     ``k_bufs[stage * K_PARTS + K_PART]``)."""
-    s = kv_count % STAGES
-    phase = (kv_count // STAGES) & 1
+    s, phase = _stage(kv_count, STAGES)
     mbarrier.wait(k_ready.index(s), phase)
     _await_turn(turns, turn_count, CONSUMER, PINGPONG)
     scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
@@ -516,8 +523,10 @@ def _await_next(k_ready, v_ready, kv_count, has_next, STAGES: gl.constexpr):
     step's releases of its own buffers come after these waits, so a load that is late also
     holds back the release that lets the producer start the load after it; on the H200 the
     loads had landed long before the waits (the consumers' clocks, 2026-12-02)."""
-    mbarrier.wait(v_ready.index(kv_count % STAGES), (kv_count // STAGES) & 1)
-    mbarrier.wait(k_ready.index((kv_count + 1) % STAGES), ((kv_count + 1) // STAGES) & 1, pred=has_next)
+    s, phase = _stage(kv_count, STAGES)
+    mbarrier.wait(v_ready.index(s), phase)
+    s, phase = _stage(kv_count + 1, STAGES)
+    mbarrier.wait(k_ready.index(s), phase, pred=has_next)
 
 
 @gluon.jit
@@ -539,10 +548,8 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
     next key tile) while its wgmma run (plain prefill 2-4% faster with it, the differential
     schedule 1-7% slower: ``profiling/results/kernels.md``, 2026-12-02). Returns ``(m, l, acc, p, kv_count,
     turn_count)`` of the next step."""
-    s = kv_count % STAGES
-    phase = (kv_count // STAGES) & 1
-    prev = (kv_count - 1) % STAGES
-    prev_phase = ((kv_count - 1) // STAGES) & 1
+    s, phase = _stage(kv_count, STAGES)
+    prev, prev_phase = _stage(kv_count - 1, STAGES)
     if VALUES_FIRST:
         p_operand = _as_operand(p, v_bufs.dtype, VALUE_COLS)
         if not EARLY_WAITS:
@@ -595,8 +602,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
     acc = gl.zeros([BLOCK_M, VALUE_COLS], gl.float32, _mma_layout(VALUE_COLS))
     if OVERLAP:
         if tile_hi > 0:
-            s = kv_count % STAGES
-            mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+            s, phase = _stage(kv_count, STAGES)
+            mbarrier.wait(k_ready.index(s), phase)
             _await_turn(turns, turn_count, CONSUMER, PINGPONG)
             scores = _issue_scores(q_smem, k_bufs.index(s * K_PARTS + K_PART), BLOCK_M, BLOCK_N)
             _pass_turn(turns, CONSUMER, PINGPONG)
@@ -620,9 +627,9 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
                     False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
                     step + 1 < tile_hi)
-            prev = (kv_count - 1) % STAGES
+            prev, prev_phase = _stage(kv_count - 1, STAGES)
             if not EARLY_WAITS:
-                mbarrier.wait(v_ready.index(prev), ((kv_count - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
             _await_turn(turns, turn_count, CONSUMER, PINGPONG)
             acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(prev), acc, is_async=True)
             _pass_turn(turns, CONSUMER, PINGPONG)
