@@ -108,8 +108,8 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     (``gluon_prefill``) at its tiles, bf16 causal, Hq 32, Hkv 8, on 132 multiprocessors:
     plain contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64
     over blocks of 16; differential contiguous at D 64 and 128 and paged at D 128 (block 16);
-    plain without its default ``early_waits`` (step waits) contiguous and paged (block 16),
-    and the differential schedule with it, contiguous, at D 128."""
+    the other ``early_waits`` of each default at D 128: plain contiguous without it (step
+    waits), plain paged (block 16) and differential contiguous with it."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
 
@@ -148,9 +148,9 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
         step_waits = gluon_prefill.TILES._replace(early_waits=False)
         case[0] = "step-waits contiguous d128"
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, tiles=step_waits)
-        case[0] = "step-waits paged b16 d128"
+        case[0] = "early-waits paged b16 d128"
         gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([1124, 1380], dtype=torch.int32), table,
-                                    tiles=step_waits)
+                                    tiles=gluon_prefill.TILES)
         case[0] = "early-waits differential contiguous d128"
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, lam,
                                      tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(early_waits=True))

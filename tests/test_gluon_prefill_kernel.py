@@ -193,11 +193,12 @@ def test_many_sequences():
 @pytest.mark.gpu
 def test_one_unit_many_sequences():
     """One query head (one head pair, differential) over 300 short sequences, some empty:
-    about 600 work tiles for 132 programs, whose consecutive tiles lie 132 query tiles apart
-    (round-robin, plain; about as far when claimed, differential) and skip one sequence or
+    about 600 work tiles for 132 programs, whose consecutive tiles lie about 132 query tiles
+    apart (claimed: both defaults take the dynamic schedule here) and skip one sequence or
     several, so the sequence a program keeps (``_locate``) is left on most of its tiles and
     found again as the one before (``_seek``'s first test) or by the binary search; also with
-    the other ``early_waits`` of each (plain: the default has it, differential: not)."""
+    the other ``early_waits`` of each (plain: the default has it, differential: not), plain
+    then dealt round-robin (132 apart exactly)."""
     g = torch.Generator().manual_seed(11)
     q_lens = [int(x) for x in torch.randint(1, 300, (300,), generator=g)]
     q_lens[7] = q_lens[20] = q_lens[299] = 0
@@ -208,7 +209,7 @@ def test_one_unit_many_sequences():
     run_varlen(q_lens, k_lens, num_heads=2, num_kv_heads=2, lam=make_lambda(2, per_pair=True), seed=14,
                tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(early_waits=True))
     run_varlen(q_lens, k_lens, num_heads=1, num_kv_heads=1, seed=15,
-               tiles=gluon_prefill.TILES._replace(early_waits=False))
+               tiles=gluon_prefill.TILES._replace(early_waits=False, dynamic=False))
 
 
 @gpu
@@ -287,10 +288,43 @@ def test_covers(monkeypatch):
 
 
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
+def test_default_tiles_claim_when_work_is_few_waves(monkeypatch):
+    """With no tiles named, a plain varlen launch of fewer than ``DYNAMIC_MAX_WAVES`` waves
+    of work tiles (``Hq * (Tq // 128 + B)`` over 132 programs) claims its tiles (``DYNAMIC``),
+    one of more is dealt round-robin; paged launches are dealt round-robin without early
+    waits, differential ones take the differential tiles (dynamic). The launches run on CPU
+    tensors, recorded instead of made."""
+    launches = []
+    monkeypatch.setattr(gluon_prefill, "_run", lambda grid, args, constexprs: launches.append(constexprs))
+    monkeypatch.setattr(gluon_prefill, "multiprocessor_count", lambda device: 132)
+    kv = torch.randn(64, 2, 128).to(torch.bfloat16)
+
+    def plain(tokens, seqs, heads):
+        q = torch.empty(tokens, heads, 128, dtype=torch.bfloat16)
+        keys = torch.empty(tokens, 2, 128, dtype=torch.bfloat16)
+        cu = torch.linspace(0, tokens, seqs + 1).to(torch.int32)
+        gluon_prefill.varlen_prefill(q, keys, keys, cu, cu)
+        return launches[-1]["DYNAMIC"], launches[-1]["EARLY_WAITS"]
+
+    waves = gluon_prefill.DYNAMIC_MAX_WAVES
+    # work tiles: heads * (tokens // 128 + seqs); one query tile (8 work tiles) short of the bound, then on it
+    assert plain(128 * (waves * 132 // 8 - 2) - 1, 2, 8) == (True, True)
+    assert plain(128 * (waves * 132 // 8 - 2), 2, 8) == (False, True)
+    assert plain(128, 1, 32) == (True, True)
+    q = torch.randn(256, 8, 128).to(torch.bfloat16)
+    cache = torch.randn(8, 16, 2, 128).to(torch.bfloat16)
+    cu, lens, table = (torch.tensor(x, dtype=torch.int32) for x in ([0, 256], [100], [[0, 1, 2, 3, 4, 5, 6]]))
+    gluon_prefill.paged_prefill(q, cache, cache, cu, lens, table)
+    assert (launches[-1]["DYNAMIC"], launches[-1]["EARLY_WAITS"]) == (False, False)
+    gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 64], dtype=torch.int32), torch.ones(4))
+    assert launches[-1]["DYNAMIC"] and launches[-1]["BLOCK_N"] == gluon_prefill.DIFFERENTIAL_TILES[128].block_n
+
+
+@pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
 def test_compiles_for_sm90():
     """The kernel lowers to a cubin for sm90 (plain contiguous and paged at blocks 16/64/256,
-    D 64 and 128; differential contiguous and paged; plain without its default ``early_waits``
-    (step waits) and differential with it) within 227 KiB of shared memory, its wgmma not
+    D 64 and 128; differential contiguous and paged; the other ``early_waits`` of plain
+    contiguous, plain paged and differential) within 227 KiB of shared memory, its wgmma not
     serialized by ptxas and with at most small register spills (``tests/compile_sm90.py
     gluon``, no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

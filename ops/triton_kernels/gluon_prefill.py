@@ -75,6 +75,27 @@ class GluonTiles(NamedTuple):
 # S=2048), and a quarter of the exponentials on the FMA pipe (flash-attn 4's ex2 emulation)
 # slower for both (plain 6.971 against 6.858 ms, differential 10.26 against 9.911): not kept.
 TILES = GluonTiles(overlap=True, pingpong=True, values_first=True, early_waits=True)
+# `dynamic` (2026-12-02, H100, profiling/gluon_ab.py, against the same tiles round-robin, each pair timed in
+# turns, ms; waves: work tiles over the 132 programs): 0.2543 against 0.2662 at B=1 S=4096 (8 waves), 0.2870
+# / 0.3010 at B=4 S=2048 (16), 0.1589 / 0.1751 for 16 sequences of 128-1024 tokens (21); 0.5560 / 0.5528
+# at B=8 S=2048 (33), 3.768 / 3.719 at B=1 S=16384 (31), 6.719 / 6.788 for the 64 sequences (271); the
+# same kernel on both sides read 0.8674 / 0.8669. H200, same day: 0.5659 against 0.5485 at B=8 S=2048,
+# 6.783 / 6.790 for the 64 sequences. Dealt round-robin, a program's heaviest tiles can come last (a
+# count of the key steps each program gets, a step a tile added, puts the slowest 3% above the mean
+# at B=8 S=2048, 12% at B=1 S=4096, 23% for the 16 sequences; under 1.5% when claimed), while over many waves the programs
+# keep in step on neighbouring tiles. So plain calls of fewer than DYNAMIC_MAX_WAVES waves claim their
+# tiles (:func:`default_tiles`).
+DYNAMIC_MAX_WAVES = 24
+# Paged (a key tile a TMA copy a cache block): the same without early waits, round-robin. H100
+# (2026-12-02, one call, each pair timed in turns, ms, early waits against not): 8 sequences of 512 new
+# tokens after 4096 cached 0.5866 against 0.5562 at block 16, 0.5647 / 0.5318 at block 32, 0.5348 /
+# 0.5261 at block 64; one of 2048 after 8192 0.6028 / 0.5969; 4 of 4096 (no prefix) 1.2134 / 1.1333;
+# the same keys contiguous 0.5149 / 0.5273, 0.5254 / 0.5418, 0.5168 / 0.5320, 0.5377 / 0.5522, 1.0666 /
+# 1.0947 (the paged producer's block-by-block copies land later: a step's early wait for them also
+# holds back its releases). H200, block 16 (round-robin and dynamic, without and with early waits):
+# 32 sequences of 128 after 2048 0.2978 / 0.3244 round-robin, 0.3303 / 0.3621 dynamic; the 8 of 512
+# after 4096 0.5427 / 0.5901, 0.5559 / 0.5982.
+PAGED_TILES = TILES._replace(early_waits=False)
 # Differential (the two components on the two consumers, values [v1 | v2] 2D wide): 64-key steps at
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
 # (2026-12-02, D 128, the day's last runs): dynamic 0.874 ms at B=8 S=2048 against 0.957 round-robin
@@ -180,7 +201,7 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer, q's dtype,
             heads and dims dense, its token stride and address 16-byte aligned (a TMA store
             writes it).
-        tiles: default :data:`TILES` (plain) or :data:`DIFFERENTIAL_TILES`.
+        tiles: default :func:`default_tiles`.
 
     Returns:
         ``out``. The metadata must follow the op's contract (``cu_seqlens_q[-1] == Tq``,
@@ -204,7 +225,9 @@ def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seql
     16: :func:`covers_paged`) through ``block_table`` ``[B, max_blocks]`` int32,
     ``seq_lens[b]`` (int32 ``[B]``) keys of sequence ``b``, its new tokens included, causal
     bottom-right aligned; no slot past ``seq_lens[b]`` is read into the result (a cache may
-    hold NaN there). Other arguments, the result and the errors as :func:`varlen_prefill`."""
+    hold NaN there). Other arguments (``tiles``: :data:`PAGED_TILES` or
+    :data:`DIFFERENTIAL_TILES` by default), the result and the errors as
+    :func:`varlen_prefill`."""
     return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
                    window_right, out, tiles)
 
@@ -220,6 +243,19 @@ def _descriptor(tensor: Tensor, rows: int, box_rows: int, box_heads: int = 1):
     box = [box_rows, box_heads * size]
     layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
     return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], box, layout)
+
+
+def default_tiles(q: Tensor, num_seqs: int, differential: bool, paged: bool) -> GluonTiles:
+    """The tiles of a launch that names none: :data:`DIFFERENTIAL_TILES` at ``q``'s head
+    size, :data:`PAGED_TILES`, or :data:`TILES`, claimed (``dynamic``) when its work tiles
+    (``Hq * (Tq // 128 + B)``, ``q`` ``[Tq, Hq, D]``) make fewer than
+    :data:`DYNAMIC_MAX_WAVES` waves of the programs (one a multiprocessor). Shapes only."""
+    if differential:
+        return DIFFERENTIAL_TILES[q.shape[-1]]
+    if paged:
+        return PAGED_TILES
+    work_tiles = q.shape[-2] * (q.shape[0] // (2 * TILES.block_m) + num_seqs)
+    return TILES._replace(dynamic=work_tiles < DYNAMIC_MAX_WAVES * multiprocessor_count(q.device))
 
 
 def _validate_tiles(tiles: GluonTiles) -> None:
@@ -239,7 +275,9 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     differential = lambda_full is not None
     if (problem := launch_problem(q, k, v, out, differential)) is not None:
         raise ValueError(problem)
-    tiles = tiles or (DIFFERENTIAL_TILES[q.shape[-1]] if differential else TILES)
+    paged = block_table is not None
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    tiles = tiles or default_tiles(q, num_seqs, differential, paged)
     _validate_tiles(tiles)
     kv_name = "cu_seqlens_k" if block_table is None else "seq_lens"
     for name, tensor in (("cu_seqlens_q", cu_seqlens_q), (kv_name, kv_lens), ("block_table", block_table)):
@@ -251,11 +289,9 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
         return out
     if k.shape[0] == 0:  # no key at all (a TMA descriptor needs rows): every row sees nothing
         return out.zero_()
-    paged = block_table is not None
     # the kernel reads the metadata as dense rows (no-ops for the usual contiguous tensors)
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     block_table = None if block_table is None else block_table.contiguous()
-    num_seqs = cu_seqlens_q.shape[0] - 1
     tile_m = tiles.block_m if differential else 2 * tiles.block_m
     num_q_tiles = num_tokens // tile_m + num_seqs
     if paged:
