@@ -45,10 +45,11 @@ to that kernel (``triton_kernels.attention.prefill_kernel_takes``: head size 128
 GPU) stay ours (:func:`hopper_takes`; the launcher now runs them on the Gluon kernel's fused
 schedule, ``attention.GLUON_DIFFERENTIAL``: 0.854 ms against flash-attn 4's two calls' 0.967 on
 2026-12-02), and the others, timed on neither side, take the two calls
-(:data:`FLASH_DIFFERENTIAL`). Plain prefill: 0.551 ms through the op against 0.548 ms for
-flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel (0.806 on the unified one):
-flash-attn 4. Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on our kernel
-(flash-attn 4's host time per call). :func:`disabled` turns the backend off for a block of
+(:data:`FLASH_DIFFERENTIAL`). Plain prefill: flash-attn 4 (0.551 ms through the op against
+0.548 ms for flash-attn 4 alone and 0.758 ms on our Hopper prefill kernel, 2026-12-01), except
+the batches of many short causal sequences on which our Gluon kernel measured faster
+(:func:`gluon_faster`, 2026-12-02). Calls under :data:`MIN_QUERY_TOKENS` query tokens stay on
+our kernel (flash-attn 4's host time per call). :func:`disabled` turns the backend off for a block of
 code (the benchmark's TTFT rows with and without flash-attn).
 
 *Paged prefill.* flash-attn 4's ``flash_attn_varlen_func`` reads our paged cache as it is:
@@ -71,7 +72,9 @@ block as long as its key tile whole, and NaN past ``seq_lens`` in a last block w
 the output). flash-attn 2 and 3 take no page table in their varlen function
 (``FlashLibrary.takes_page_table``): paged calls stay on ours with them. Paged prefill
 through flash-attn 4 took 0.545 ms against 1.170 ms on our kernel (8 chunks of 512 tokens
-after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms).
+after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms, 2026-12-01); our Gluon prefill
+kernel now takes them in 0.540 ms, and keeps the causal chunks of head size 128 of at most
+2048 tokens a sequence on average (:func:`gluon_faster_paged`, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -257,11 +260,82 @@ def hopper_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor) -> bool:
     return prefill_kernel_takes(q, k, v, lambda_full, None)
 
 
+GLUON_MIN_SEQUENCES = 8
+"""Plain varlen calls of fewer sequences go to the library (see :func:`gluon_faster`)."""
+GLUON_MAX_MEAN_QUERY = 2048
+"""Plain calls of more query tokens a sequence (on average) go to the library."""
+
+
+def _gluon_shaped(q: Tensor, sequences: int, causal: bool, window_left: int, window_right: int) -> bool:
+    """Causal with no window, head size 128, at most :data:`GLUON_MAX_MEAN_QUERY` query
+    tokens a sequence on average (``q`` ``[T, Hq, D]``): the calls where our Gluon kernel
+    measured at least level with flash-attn 4."""
+    return (causal and window_left < 0 and window_right < 0 and q.shape[-1] == 128
+            and q.shape[0] <= GLUON_MAX_MEAN_QUERY * sequences)
+
+
+def gluon_faster(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale, causal: bool,
+                 window_left: int, window_right: int, softcap: float) -> bool:
+    """Whether a plain varlen call stays on our Gluon prefill kernel though the library
+    covers it: :func:`_gluon_shaped`, at least :data:`GLUON_MIN_SEQUENCES` sequences
+    (``cu_seqlens_q.shape[0] - 1``), a call the Gluon kernel covers
+    (``triton_kernels.attention.gluon_takes_varlen``). Shapes only.
+
+    ``profiling/bench_kernels.py --parts routing``, H200, 2026-12-02, bf16, Hq 32, Hkv 8, the op
+    with flash-attn 4 against the op on our kernels, queued calls, ms, two runs (the second
+    at the final default tiles):
+
+    * ours level or faster: B=8 S=1024 0.201 / 0.197 against 0.209 / 0.211; B=8 S=2048 0.565 /
+      0.552 against 0.571 / 0.552; B=16 S=1024 0.347 / 0.331 against 0.353 / 0.332; B=32
+      S=512 0.250 / 0.233 against 0.255 / 0.231; B=64 S=256 0.204 / 0.201 against 0.213 /
+      0.198; 16 sequences of 128-1024 tokens 0.213 / 0.211 against 0.234 / 0.219;
+    * flash-attn 4 faster: B=1 S=16384 3.90 / 3.63 against 3.58 / 3.50; B=4 S=4096 1.03 /
+      1.05 against 1.00 / 0.99; B=8 S=4096 2.01 / 2.07 against 2.01 / 2.02; 64 sequences of
+      128-4096 tokens 6.78 / 6.70 against 6.59 / 6.49; non-causal B=8 S=2048 0.964 / 0.959
+      against 0.936 / 0.929; head size 64 0.393 / 0.396 against 0.356 / 0.352;
+    * level, left to flash-attn 4: B=1 S=8192, B=2 S=4096, B=4 S=2048."""
+    from .triton_kernels.attention import gluon_takes_varlen
+
+    sequences = cu_seqlens_q.shape[0] - 1
+    return (sequences >= GLUON_MIN_SEQUENCES and _gluon_shaped(q, sequences, causal, window_left, window_right)
+            and gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, scale, causal, window_left,
+                                   window_right, softcap))
+
+
+def gluon_faster_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor,
+                       seq_lens: Tensor, block_table: Tensor, scale, causal: bool, window_left: int,
+                       window_right: int, softcap: float) -> bool:
+    """Whether a plain paged prefill stays on our Gluon kernel though flash-attn 4 covers it:
+    :func:`_gluon_shaped` over ``seq_lens.shape[0]`` sequences and a call the Gluon kernel
+    takes (``triton_kernels.attention.gluon_takes_paged``: at least 128 query tokens a
+    sequence on average). Shapes only. The second run of :func:`gluon_faster`'s (H200, block
+    16 unless said, ms, ours against flash-attn 4): 8 chunks of 512 after 4096 cached keys
+    0.540 against 0.549 (block 32: 0.523 against 0.545), one of 2048 after 8192 0.548 against
+    0.556, 32 of 128 after 2048 0.283 against 0.304; 4 of 4096 with no prefix 1.095 against
+    1.065 (over the mean bound: flash-attn 4's)."""
+    from .triton_kernels.attention import gluon_takes_paged
+
+    return (_gluon_shaped(query, seq_lens.shape[0], causal, window_left, window_right)
+            and gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, None, scale,
+                                  causal, window_left, window_right, softcap))
+
+
+def _varlen_formulation(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right,
+                        softcap, alibi_slopes, scale_softcap) -> str | None:
+    """:func:`_formulation`, but ``None`` for a plain call :func:`gluon_faster` keeps."""
+    formulation = _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap)
+    if formulation == "plain" and gluon_faster(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left,
+                                               window_right, softcap):
+        return None
+    return formulation
+
+
 def covers(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right, softcap,
            alibi_slopes, scale_softcap) -> bool:
     """Whether the CUDA kernel of ``varlen_attention`` runs these schema arguments through
-    flash-attn (CUDA tensors, a library, a :func:`plan`)."""
-    return _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap) is not None
+    flash-attn (CUDA tensors, a library, a :func:`plan`, not one :func:`gluon_faster` keeps)."""
+    return _varlen_formulation(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                               window_right, softcap, alibi_slopes, scale_softcap) is not None
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scale=None, causal=True,
@@ -270,7 +344,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full=None, scal
     :func:`covers` the call, our Triton kernel otherwise (arguments as the op's schema)."""
     from .triton_kernels import varlen_attention as triton_varlen
 
-    formulation = _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap)
+    formulation = _varlen_formulation(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
+                                      window_right, softcap, alibi_slopes, scale_softcap)
     if formulation is None:
         return triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                              window_right, softcap, alibi_slopes, scale_softcap)
@@ -291,10 +366,12 @@ may hold anything there (the GPU tests fill it with NaN); below 64 flash-attn 4 
 row by row (``cp.async``), only rows below ``seq_lens[b]``, and keeps that promise."""
 
 
-def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap, k_scale,
+def _paged_library(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
+                   window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale,
                    v_scale) -> FlashLibrary | None:
-    """The library that runs this ``paged_attention`` call, or ``None`` (our kernel): shapes,
-    dtypes and which options are given, never a tensor's values."""
+    """The library that runs this ``paged_attention`` call (the op's schema arguments), or
+    ``None`` (our kernel): shapes, dtypes and which options are given, never a tensor's
+    values."""
     # One query per sequence or fewer (T <= B: every decode step, padded CUDA-graph batches
     # included) stays on our kernel, which reads the cache 2-11% faster than flash-attn 4's
     # paged decode; more queries than sequences (T > B) means some prefill chunk.
@@ -310,7 +387,11 @@ def _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_s
     if _formulation(query, key_cache, value_cache, None, alibi_slopes, scale_softcap) != "plain":
         return None
     library = find_library()
-    return library if library.takes_page_table else None
+    if not library.takes_page_table or gluon_faster_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens,
+                                                          block_table, scale, causal, window_left, window_right,
+                                                          softcap):
+        return None
+    return library
 
 
 def covers_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
@@ -320,9 +401,11 @@ def covers_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_ta
     flash-attn 4 (the ``opaque`` predicate of its traced kernel): a prefill-bearing call
     (more queries than sequences) of plain attention over a float16/bfloat16 cache of a
     block size in :data:`PAGED_BLOCK_SIZES`, without ALiBi or traced scalars, CUDA tensors, a
-    library that takes a page table, outside :func:`disabled`."""
-    return _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap,
-                          k_scale, v_scale) is not None
+    library that takes a page table, outside :func:`disabled`, not one
+    :func:`gluon_faster_paged` keeps on our kernel."""
+    return _paged_library(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
+                          causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale,
+                          v_scale) is not None
 
 
 def run_paged(library: FlashLibrary, query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
@@ -342,8 +425,8 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     """The ``compiled_attn::paged_attention`` op on CUDA: flash-attn 4 where it
     :func:`covers_paged` the call (prefill-bearing plain attention), our Triton kernel
     otherwise (decode, differential, fp8 caches, ...; arguments as the op's schema)."""
-    library = _paged_library(query, key_cache, value_cache, seq_lens, lambda_full, alibi_slopes, scale_softcap,
-                             k_scale, v_scale)
+    library = _paged_library(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
+                             causal, window_left, window_right, softcap, alibi_slopes, scale_softcap, k_scale, v_scale)
     if library is None:
         from .triton_kernels import paged_attention as triton_paged
 

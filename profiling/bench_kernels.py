@@ -37,9 +37,10 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 # Tiles of the Gluon prefill kernel timed beside its default: each entry's fields replace the
 # default's (gluon_prefill.GluonTiles). 2026-12-02, before overlap and pingpong existed: 64x64 s3
 # and s4 lost to 64x128 s2 (0.68 against 0.64 ms at B=8 S=2048); then neither schedule, overlap
-# alone and pingpong alone lost to both; the dynamic schedule lost 0.4-2.3% for plain attention
-# (results/kernels.md, 2026-12-02); early_waits won (now the default): timed now without it.
-GLUON_SWEEP: tuple[dict, ...] = (dict(early_waits=False),)
+# alone and pingpong alone lost to both; early_waits won (now the default; results/kernels.md,
+# 2026-12-02); the dynamic schedule, 0-3% slower on the issue's two batches, which are many waves
+# of work tiles, but faster on calls of few waves (gluon_prefill.DYNAMIC_MAX_WAVES).
+GLUON_SWEEP: tuple[dict, ...] = (dict(dynamic=True),)
 # The same for the fused differential schedule (gluon_prefill.DIFFERENTIAL_TILES at D 128).
 GLUON_DIFFERENTIAL_SWEEP: tuple[dict, ...] = (dict(early_waits=True),)
 
@@ -441,10 +442,10 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
     """Plain paged prefill (chunked prefill after a cached prefix): ``batch`` sequences each
     computing ``chunk`` new tokens over ``prefix + chunk`` keys in blocks of 16, causal.
     flash-attn 4 called directly with ``page_table``/``seqused_k`` against our op (which
-    routes such calls to it: ``flash_backend.covers_paged``), against our unified Triton kernel
-    and against our Hopper prefill kernel's paged path at its default tiles."""
+    routed such calls to it until 2026-12-02 and keeps them on our Gluon kernel since:
+    ``flash_backend.gluon_faster_paged``), against our unified Triton kernel and against our
+    Hopper prefill kernel's paged path at its default tiles."""
     from compiled_attn import ops
-    from compiled_attn.ops import flash_backend
     from compiled_attn.ops.triton_kernels.prefill import paged_prefill
 
     context = prefix + chunk
@@ -452,7 +453,6 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
     query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
     args = (query, key_cache, value_cache, cu, seq_lens, table)
-    assert flash_backend.covers_paged(*args, None, D ** -0.5, True, -1, -1, 0.0, None, None)
     ms = {"flash-attn 4": _queued_ms(lambda: library.varlen(query, key_cache, value_cache, cu_seqlens_q=cu,
                                                            cu_seqlens_k=None, seqused_k=seq_lens, page_table=table,
                                                            causal=True)),
@@ -604,6 +604,63 @@ def gluon_cost_rows(fa4) -> list[ResultRow]:
         theirs = _queued_ms(lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal)[0])
         rows.append(ResultRow(f"prefill {case} plain: gluon TFLOP/s", "TFLOP/s", flops / ours / 1e9,
                               "flash-attn 4 TFLOP/s", flops / theirs / 1e9))
+    return rows
+
+
+# Plain prefill shapes of the routing part: (case, query lengths, causal, head size); and paged
+# ones: (case, batch, new tokens, cached tokens, block size).
+ROUTING_VARLEN = ([(f"B={b} S={s}", [s] * b, True, D) for b, s in ((1, 4096), (1, 8192), (1, 16384), (2, 4096),
+                                                                     (4, 2048), (4, 4096), (8, 1024), (8, 2048),
+                                                                     (8, 4096), (16, 1024), (32, 512), (64, 256))]
+                  + [("64 seqs 128-4096", _varlen_batches()["64 seqs 128-4096"], True, D),
+                     ("16 seqs 128-1024", torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1))
+                      .tolist(), True, D),
+                     ("non-causal B=8 S=2048", [2048] * 8, False, D), ("D=64 B=8 S=2048", [2048] * 8, True, 64)])
+ROUTING_PAGED = (("B=8 512 after 4096, block 16", 8, 512, 4096, 16), ("B=8 512 after 4096, block 32", 8, 512, 4096, 32),
+                 ("B=1 2048 after 8192, block 16", 1, 2048, 8192, 16), ("B=32 128 after 2048, block 16", 32, 128, 2048, 16),
+                 ("B=4 4096 after 0, block 16", 4, 4096, 0, 16))
+
+
+def routing_rows() -> list[ResultRow]:
+    """Where the flash-attn backend should send plain prefill (``flash_backend``'s routing,
+    issue 12 item 4): our varlen and paged ops with the backend (flash-attn 4 where it routes
+    the call today) against the same ops inside ``flash_backend.disabled()`` (our kernels: the
+    Gluon kernel where it covers the call), on :data:`ROUTING_VARLEN` and :data:`ROUTING_PAGED`
+    shapes, every row timed by :func:`_queued_ms` (host time hidden as in a model's forward)
+    and once more by a single eager call (:func:`_eager_ms`: host time included, as a lone
+    call pays it). Ratios above 1: ours faster."""
+    from compiled_attn import ops
+    from compiled_attn.ops import flash_backend
+
+    if flash_backend.find_library() is None:
+        print("routing rows need a flash-attn library")
+        return []
+
+    def both(fn):
+        with flash_backend.disabled():
+            ours = (_queued_ms(fn), _eager_ms(fn))
+        return (_queued_ms(fn), _eager_ms(fn)), ours
+
+    rows = []
+    for case, lens, causal, head_size in ROUTING_VARLEN:
+        q, k, v, cu, _ = _varlen_inputs(lens)
+        q, k, v = (t[..., :head_size].contiguous() for t in (q, k, v))
+        theirs, ours = both(lambda: ops.varlen_attention(q, k, v, cu, cu, causal=causal))
+        for i, timer in enumerate(("queued", "one eager call")):
+            rows.append(ResultRow(f"routing {case} plain ({timer}): op with backend / without", "ms", theirs[i],
+                                  "ours ms", ours[i]))
+    for case, batch, chunk, prefix, block in ROUTING_PAGED:
+        context = prefix + chunk
+        blocks = batch * context // block
+        key_cache, value_cache = (torch.randn(blocks, block, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
+        table = torch.randperm(blocks).to(device="cuda", dtype=torch.int32).view(batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+        theirs, ours = both(lambda: ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, table))
+        for i, timer in enumerate(("queued", "one eager call")):
+            rows.append(ResultRow(f"routing paged {case} plain ({timer}): op with backend / without", "ms", theirs[i],
+                                  "ours ms", ours[i]))
     return rows
 
 
@@ -774,7 +831,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default="profiling/results")
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "cache"],
-                        choices=["decode", "prefill", "cache", "flash", "fp8", "gluon"])
+                        choices=["decode", "prefill", "cache", "flash", "fp8", "gluon", "routing"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
     parser.add_argument("--fp8-sweep", action="store_true", help="fp8 part: time candidate tiles and splits too")
@@ -789,7 +846,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     parts = {"decode": lambda: decode_rows(bandwidth, args.batches, args.contexts), "prefill": prefill_rows,
              "cache": lambda: cache_rows(bandwidth), "flash": flash_rows,
-             "fp8": lambda: fp8_rows(bandwidth, sweep=args.fp8_sweep), "gluon": gluon_rows}
+             "fp8": lambda: fp8_rows(bandwidth, sweep=args.fp8_sweep), "gluon": gluon_rows,
+             "routing": routing_rows}
     rows = [row for part in args.parts for row in parts[part]()]
     print(write_results(rows, args.results_dir, "kernels",
                         f"Kernels, bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}; copy {bandwidth / 1e12:.2f} TB/s"))

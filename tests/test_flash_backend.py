@@ -11,8 +11,9 @@ Paged: prefill-bearing calls (``T > B``) of plain attention go to flash-attn 4 w
 oracle over a cache with NaN in its unused slots; decode (``T == B``), differential, fp8
 caches, ALiBi, traced scalars, other block sizes, flash-attn 2/3 and :func:`disabled` stay
 on our kernel, which gets the call unchanged. Varlen: which library is found,
-which calls the backend takes (plain; differential as two calls with a ``2 * D`` value head
-on flash-attn 4 only; never ALiBi or traced scalars), the arguments passed, and results equal
+which calls the backend takes (plain, but for batches of many short causal sequences, which
+stay on our Gluon kernel; differential as two calls with a ``2 * D`` value head on
+flash-attn 4 only; never ALiBi or traced scalars), the arguments passed, and results equal
 to the oracle's for plain and differential attention (the differential pairs as views, no
 copies); the one-pass combine kernel of the two calls (bit-identical to the eager float32
 expression, close to the float64 formula; under Triton's interpreter without a GPU); and
@@ -273,6 +274,44 @@ def test_differential_calls_our_hopper_kernel_takes_stay_ours(flash, monkeypatch
     assert flash_backend.covers(q, k, v, cu_q, cu_k, lam, 0.125, True, -1, -1, 0.0, None, None)
 
 
+def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(flash, monkeypatch):
+    """``gluon_faster``, shapes alone: a causal plain call at head size 128 of 8 sequences
+    averaging 2 query tokens, which the Gluon kernel covers, runs on our kernel (with the
+    call unchanged) though flash-attn 4 covers it; with fewer sequences, more tokens a
+    sequence than ``GLUON_MAX_MEAN_QUERY``, a window, non-causal, head size 64, a call the
+    Gluon kernel does not cover, flash-attn 4 takes it; a differential call is not this
+    rule's (here, on no sm90 GPU: flash-attn 4's two calls)."""
+    from compiled_attn.ops import triton_kernels
+    from compiled_attn.ops.triton_kernels import attention as launchers
+
+    calls, ours, gluon = flash(4), [], []
+    monkeypatch.setattr(launchers, "gluon_takes_varlen", lambda *args: gluon.append(args) or True)
+    monkeypatch.setattr(triton_kernels, "varlen_attention", lambda *args: ours.append(args) or args[0])
+    g = torch.Generator().manual_seed(9)
+
+    def call(sequences=8, tokens=2, head_size=128, causal=True, window=(-1, -1), lam=None):
+        q, k, v = (randn_nonzero((sequences * tokens, heads, head_size), torch.bfloat16, g).as_subclass(CudaLooking)
+                   for heads in (8, 4, 4))
+        cu = torch.arange(0, sequences + 1, dtype=torch.int32) * tokens
+        return (q, k, v, cu, cu, lam, None, causal, *window, 0.0, None, None)
+
+    args = call()
+    assert not flash_backend.covers(*args)
+    assert flash_backend.varlen_attention(*args) is args[0] and calls == []
+    assert len(ours) == 1 and all(a is b for a, b in zip(ours[0], args))
+    assert all(a is b for a, b in zip(gluon[-1], args[:5])) and gluon[-1][5:] == (None, None, True, -1, -1, 0.0)
+    for given in (dict(sequences=7), dict(head_size=64), dict(causal=False), dict(window=(-1, 3)),
+                  dict(window=(5, -1)), dict(lam=torch.tensor(0.3))):
+        assert flash_backend.covers(*call(**given)), given
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 1)
+    assert flash_backend.covers(*call())
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2)
+    monkeypatch.setattr(launchers, "gluon_takes_varlen", lambda *args: False)
+    assert flash_backend.covers(*call())
+    flash_backend.varlen_attention(*call())
+    assert len(calls) == 1 and len(ours) == 1
+
+
 def test_disabled_routes_covered_calls_to_our_kernel(flash, monkeypatch):
     calls = flash(4)
     ours = []
@@ -390,6 +429,35 @@ def ours(monkeypatch):
 
     monkeypatch.setattr(triton_kernels, "paged_attention", triton_paged)
     return calls
+
+
+def test_paged_chunks_of_at_most_the_mean_bound_stay_on_the_gluon_kernel(flash, ours, monkeypatch):
+    """``gluon_faster_paged``, shapes alone: a causal plain paged prefill at head size 128
+    that the Gluon kernel takes, of at most ``GLUON_MAX_MEAN_QUERY`` new tokens a sequence on
+    average, runs on our kernel (the call unchanged) though flash-attn 4 covers it; over the
+    bound, with a window, non-causal or one the Gluon kernel does not take, flash-attn 4
+    does."""
+    from compiled_attn.ops.triton_kernels import attention as launchers
+
+    calls, gluon = flash(4), []
+    monkeypatch.setattr(launchers, "gluon_takes_paged", lambda *args: gluon.append(args) or True)
+    args = paged_args(head_size=128)
+    full = (*args, None, None, True, -1, -1, 0.0, None, None)
+    assert not flash_backend.covers_paged(*full)
+    flash_backend.paged_attention(*args)
+    assert calls == [] and len(ours) == 1
+    assert all(a is b for a, b in zip(ours[0]["args"], args)) and ours[0]["args"][6:] == (None,) * 2 + (
+        True, -1, -1, 0.0) + (None,) * 4
+    assert all(a is b for a, b in zip(gluon[-1], args)) and gluon[-1][6:] == (None, None, True, -1, -1, 0.0)
+    for given in (dict(causal=False), dict(window_right=3)):
+        options = dict(dict(causal=True, window_left=-1, window_right=-1), **given)
+        assert flash_backend.covers_paged(*args, None, None, options["causal"], options["window_left"],
+                                          options["window_right"], 0.0, None, None), given
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", args[0].shape[0] // args[4].shape[0] - 1)
+    assert flash_backend.covers_paged(*full)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2048)
+    monkeypatch.setattr(launchers, "gluon_takes_paged", lambda *args: False)
+    assert flash_backend.covers_paged(*full)
 
 
 def test_paged_kernel_takes_the_schema_arguments_as_our_launcher_does():
