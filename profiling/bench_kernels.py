@@ -216,6 +216,11 @@ def _varlen_batches() -> dict[str, list[int]]:
     return {"B=8 S=2048": [2048] * 8, "64 seqs 128-4096": torch.randint(128, 4097, (64,), generator=g).tolist()}
 
 
+def short_varlen_batch() -> list[int]:
+    """16 sequences of 128-1024 tokens (seeded): an uneven batch of few waves of work tiles."""
+    return torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 def _varlen_inputs(lens: list[int]):
     total = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -613,11 +618,12 @@ ROUTING_VARLEN = ([(f"B={b} S={s}", [s] * b, True, D) for b, s in ((1, 4096), (1
                                                                      (4, 2048), (4, 4096), (8, 1024), (8, 2048),
                                                                      (8, 4096), (16, 1024), (32, 512), (64, 256))]
                   + [("64 seqs 128-4096", _varlen_batches()["64 seqs 128-4096"], True, D),
-                     ("16 seqs 128-1024", torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1))
-                      .tolist(), True, D),
+                     ("16 seqs 128-1024", short_varlen_batch(), True, D),
                      ("non-causal B=8 S=2048", [2048] * 8, False, D), ("D=64 B=8 S=2048", [2048] * 8, True, 64)])
-ROUTING_PAGED = (("B=8 512 after 4096, block 16", 8, 512, 4096, 16), ("B=8 512 after 4096, block 32", 8, 512, 4096, 32),
-                 ("B=1 2048 after 8192, block 16", 1, 2048, 8192, 16), ("B=32 128 after 2048, block 16", 32, 128, 2048, 16),
+ROUTING_PAGED = (("B=8 512 after 4096, block 16", 8, 512, 4096, 16),
+                 ("B=8 512 after 4096, block 32", 8, 512, 4096, 32),
+                 ("B=1 2048 after 8192, block 16", 1, 2048, 8192, 16),
+                 ("B=32 128 after 2048, block 16", 32, 128, 2048, 16),
                  ("B=4 4096 after 0, block 16", 4, 4096, 0, 16))
 
 

@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 from bench_kernels import BLOCK, D, DTYPE, HQ, _alternated_ms, _scaled_diff, _varlen_batches, _varlen_inputs, \
-    decode_inputs
+    decode_inputs, short_varlen_batch
 from compiled_attn.ops.triton_kernels import gluon_prefill
 
 
@@ -42,7 +42,7 @@ def cases() -> dict[str, tuple]:
     batches = _varlen_batches()
     out = {}
     more = {"B=1 S=4096": [4096], "B=4 S=2048": [2048] * 4, "B=1 S=16384": [16384],
-            "16 seqs 128-1024": torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1)).tolist()}
+            "16 seqs 128-1024": short_varlen_batch()}
     for case, lens in (*batches.items(), *more.items()):
         q, k, v, cu, lam = _varlen_inputs(lens)
         out[f"{case} plain"] = (gluon_prefill.varlen_prefill, (q, k, v, cu, cu), gluon_prefill.TILES)
