@@ -279,7 +279,9 @@ def gluon_faster(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqle
     """Whether a plain varlen call stays on our Gluon prefill kernel though the library
     covers it: :func:`_gluon_shaped`, at least :data:`GLUON_MIN_SEQUENCES` sequences
     (``cu_seqlens_q.shape[0] - 1``), a call the Gluon kernel covers
-    (``triton_kernels.attention.gluon_takes_varlen``). Shapes only.
+    (``triton_kernels.attention.gluon_takes_varlen``). Shapes only, so a skewed batch (seven
+    sequences of 128 tokens and one of 15000) counts by its mean, though flash-attn 4 ran a
+    single long sequence faster.
 
     ``profiling/bench_kernels.py --parts routing``, H200, 2026-12-02, bf16, Hq 32, Hkv 8, the op
     with flash-attn 4 against the op on our kernels, queued calls, ms, two runs (the second
@@ -322,10 +324,12 @@ def gluon_faster_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu
 
 def _varlen_formulation(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left, window_right,
                         softcap, alibi_slopes, scale_softcap) -> str | None:
-    """:func:`_formulation`, but ``None`` for a plain call :func:`gluon_faster` keeps."""
+    """:func:`_formulation`, but ``None`` for a plain call :func:`gluon_faster` keeps from
+    flash-attn 4 (the library it was measured against; flash-attn 3 and 2 keep every plain
+    call they cover)."""
     formulation = _formulation(q, k, v, lambda_full, alibi_slopes, scale_softcap)
-    if formulation == "plain" and gluon_faster(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left,
-                                               window_right, softcap):
+    if formulation == "plain" and find_library().name == "flash-attn 4" and gluon_faster(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap):
         return None
     return formulation
 

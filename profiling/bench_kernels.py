@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from unittest import mock
 from dataclasses import replace
 
 import torch
@@ -629,9 +630,10 @@ ROUTING_PAGED = (("B=8 512 after 4096, block 16", 8, 512, 4096, 16),
 
 def routing_rows() -> list[ResultRow]:
     """Where the flash-attn backend should send plain prefill (``flash_backend``'s routing,
-    issue 12 item 4): our varlen and paged ops with the backend (flash-attn 4 where it routes
-    the call today) against the same ops inside ``flash_backend.disabled()`` (our kernels: the
-    Gluon kernel where it covers the call), on :data:`ROUTING_VARLEN` and :data:`ROUTING_PAGED`
+    issue 12 item 4): our varlen and paged ops with the backend as it was before its Gluon
+    rule (``gluon_faster`` and ``gluon_faster_paged`` off: flash-attn 4 wherever it covers the
+    call) against the same ops inside ``flash_backend.disabled()`` (our kernels: the Gluon
+    kernel where it covers the call), on :data:`ROUTING_VARLEN` and :data:`ROUTING_PAGED`
     shapes, every row timed by :func:`_queued_ms` (host time hidden as in a model's forward)
     and once more by a single eager call (:func:`_eager_ms`: host time included, as a lone
     call pays it). Ratios above 1: ours faster."""
@@ -645,7 +647,9 @@ def routing_rows() -> list[ResultRow]:
     def both(fn):
         with flash_backend.disabled():
             ours = (_queued_ms(fn), _eager_ms(fn))
-        return (_queued_ms(fn), _eager_ms(fn)), ours
+        with mock.patch.object(flash_backend, "gluon_faster", lambda *args: False), \
+                mock.patch.object(flash_backend, "gluon_faster_paged", lambda *args: False):
+            return (_queued_ms(fn), _eager_ms(fn)), ours
 
     rows = []
     for case, lens, causal, head_size in ROUTING_VARLEN:

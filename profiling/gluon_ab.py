@@ -37,24 +37,37 @@ def load_variant(path: Path):
     return module
 
 
+def parse_field(field: str) -> tuple[str, int | bool]:
+    """``"dynamic=True"`` -> ``("dynamic", True)``; values ``True``, ``False`` or digits.
+    Raises ValueError otherwise."""
+    name, _, value = field.partition("=")
+    if value in ("True", "False"):
+        return name, value == "True"
+    if value.isdigit():
+        return name, int(value)
+    raise ValueError(f"--tiles {field!r}: expected FIELD=True, FIELD=False or FIELD=<digits>")
+
+
 def cases() -> dict[str, tuple]:
-    """``name -> (launcher, args, default tiles)`` of the cases in the module docstring."""
+    """``name -> (launcher, args, tiles)`` of the cases in the module docstring, the tiles
+    those the launcher picks for it (``gluon_prefill.default_tiles``)."""
     batches = _varlen_batches()
     out = {}
     more = {"B=1 S=4096": [4096], "B=4 S=2048": [2048] * 4, "B=1 S=16384": [16384],
             "16 seqs 128-1024": short_varlen_batch()}
     for case, lens in (*batches.items(), *more.items()):
         q, k, v, cu, lam = _varlen_inputs(lens)
-        out[f"{case} plain"] = (gluon_prefill.varlen_prefill, (q, k, v, cu, cu), gluon_prefill.TILES)
+        out[f"{case} plain"] = (gluon_prefill.varlen_prefill, (q, k, v, cu, cu),
+                                gluon_prefill.default_tiles(q, len(lens), False, False))
         if case in batches:
             out[f"{case} differential"] = (gluon_prefill.varlen_prefill, (q, k, v, cu, cu, lam),
-                                           gluon_prefill.DIFFERENTIAL_TILES[D])
+                                           gluon_prefill.default_tiles(q, len(lens), True, False))
     _, key_cache, value_cache, _, seq_lens, table = decode_inputs(8, 4096 + 512)
     query = torch.randn(8 * 512, HQ, D, dtype=DTYPE, device="cuda")
     cu = torch.arange(0, 9, dtype=torch.int32, device="cuda") * 512
     out[f"paged 512 after 4096 block {BLOCK} plain"] = (gluon_prefill.paged_prefill,
                                                         (query, key_cache, value_cache, cu, seq_lens, table),
-                                                        gluon_prefill.PAGED_TILES)
+                                                        gluon_prefill.default_tiles(query, 8, False, True))
     return out
 
 
@@ -67,8 +80,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", help="names of the cases to run (default: all)")
     args = parser.parse_args()
     kernel = load_variant(args.kernel).gluon_prefill_kernel if args.kernel else None
-    fields = {name: int(value) if value.isdigit() else value == "True"
-              for name, value in (field.split("=") for field in args.tiles)}
+    fields = dict(parse_field(field) for field in args.tiles)
 
     def run_variant(grid, launch_args, constexprs):
         kernel[grid](*launch_args, **constexprs, num_warps=4)

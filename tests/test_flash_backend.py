@@ -278,8 +278,9 @@ def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(f
     """``gluon_faster``, shapes alone: a causal plain call at head size 128 of 8 sequences
     averaging 2 query tokens, which the Gluon kernel covers, runs on our kernel (with the
     call unchanged) though flash-attn 4 covers it; with fewer sequences, more tokens a
-    sequence than ``GLUON_MAX_MEAN_QUERY``, a window, non-causal, head size 64, a call the
-    Gluon kernel does not cover, flash-attn 4 takes it; a differential call is not this
+    sequence than ``GLUON_MAX_MEAN_QUERY`` (on the bound: kept), a window, non-causal, head
+    size 64, a call the Gluon kernel does not cover, flash-attn 4 takes it; flash-attn 3
+    (not measured against) keeps every call it covers; a differential call is not this
     rule's (here, on no sm90 GPU: flash-attn 4's two calls)."""
     from compiled_attn.ops import triton_kernels
     from compiled_attn.ops.triton_kernels import attention as launchers
@@ -303,9 +304,14 @@ def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(f
     for given in (dict(sequences=7), dict(head_size=64), dict(causal=False), dict(window=(-1, 3)),
                   dict(window=(5, -1)), dict(lam=torch.tensor(0.3))):
         assert flash_backend.covers(*call(**given)), given
-    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 1)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2)  # the mean of call(): on the bound, kept
+    assert not flash_backend.covers(*call())
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 1)  # over it
     assert flash_backend.covers(*call())
-    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2048)
+    flash(3)  # measured against flash-attn 4 only: flash-attn 3 keeps the call
+    assert flash_backend.covers(*call())
+    calls = flash(4)
     monkeypatch.setattr(launchers, "gluon_takes_varlen", lambda *args: False)
     assert flash_backend.covers(*call())
     flash_backend.varlen_attention(*call())
@@ -453,8 +459,14 @@ def test_paged_chunks_of_at_most_the_mean_bound_stay_on_the_gluon_kernel(flash, 
         options = dict(dict(causal=True, window_left=-1, window_right=-1), **given)
         assert flash_backend.covers_paged(*args, None, None, options["causal"], options["window_left"],
                                           options["window_right"], 0.0, None, None), given
-    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", args[0].shape[0] // args[4].shape[0] - 1)
-    assert flash_backend.covers_paged(*full)
+    # 3 sequences of 4 new tokens: a mean of 4 on the bound is kept, over it not (counted over
+    # seq_lens' 3 sequences, not cu_seqlens_q's 4 entries)
+    even = paged_args([(0, 4), (3, 4), (10, 4)], head_size=128)
+    even_full = (*even, None, None, True, -1, -1, 0.0, None, None)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 4)
+    assert not flash_backend.covers_paged(*even_full)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 3)
+    assert flash_backend.covers_paged(*even_full)
     monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2048)
     monkeypatch.setattr(launchers, "gluon_takes_paged", lambda *args: False)
     assert flash_backend.covers_paged(*full)

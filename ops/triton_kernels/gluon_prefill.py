@@ -78,8 +78,8 @@ TILES = GluonTiles(overlap=True, pingpong=True, values_first=True, early_waits=T
 # `dynamic` (2026-12-02, H100, profiling/gluon_ab.py, against the same tiles round-robin, each pair
 # timed in turns, ms; waves: work tiles over the 132 programs): 0.2543 against 0.2662 at B=1 S=4096
 # (8 waves), 0.2870 / 0.3010 at B=4 S=2048 (16), 0.1589 / 0.1751 for 16 sequences of 128-1024 tokens
-# (21); 0.5560 / 0.5528 at B=8 S=2048 (33), 3.768 / 3.719 at B=1 S=16384 (31), 6.719 / 6.788 for the
-# 64 sequences (271); the same kernel on both sides read 0.8674 / 0.8669. H200, same day: 0.5659
+# (20); 0.5560 / 0.5528 at B=8 S=2048 (33), 3.768 / 3.719 at B=1 S=16384 (31), 6.719 / 6.788 for the
+# 64 sequences (284); the same kernel on both sides read 0.8674 / 0.8669. H200, same day: 0.5659
 # against 0.5485 at B=8 S=2048, 6.783 / 6.790 for the 64 sequences. Dealt round-robin, a program's
 # heaviest tiles can come last (a count of the key steps each program gets, a step a tile added,
 # puts the slowest 3% above the mean at B=8 S=2048, 12% at B=1 S=4096, 23% for the 16 sequences;
