@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from unittest import mock
 from dataclasses import replace
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -107,9 +107,9 @@ def _subln(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=1e-5) * 0.8
 
 
-def decode_inputs(batch: int, context: int):
-    blocks = batch * context // BLOCK
-    key_cache = torch.randn(blocks, BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+def decode_inputs(batch: int, context: int, block: int = BLOCK):
+    blocks = batch * context // block
+    key_cache = torch.randn(blocks, block, HKV, D, dtype=DTYPE, device="cuda")
     value_cache = torch.randn_like(key_cache)
     # The permutation is drawn on the CPU: both runs that died with an illegal memory access
     # drew it on the GPU as int32 (cause not established; see profiling/results/kernels.md).
@@ -117,6 +117,16 @@ def decode_inputs(batch: int, context: int):
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
+    return query, key_cache, value_cache, cu, seq_lens, table
+
+
+def paged_prefill_inputs(batch: int, chunk: int, prefix: int, block: int = BLOCK):
+    """``(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table)`` of ``batch``
+    sequences each computing ``chunk`` new tokens after ``prefix`` cached: query ``[batch *
+    chunk, Hq, D]``, the caches of :func:`decode_inputs` over ``prefix + chunk`` keys."""
+    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, prefix + chunk, block)
+    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
     return query, key_cache, value_cache, cu, seq_lens, table
 
 
@@ -318,9 +328,7 @@ def hopper_paged_prefill_rows(batch: int = 8, prefix: int = 4096, chunk: int = 5
     from compiled_attn.ops.triton_kernels.prefill import HOPPER_TILES, paged_prefill, varlen_prefill
 
     context = prefix + chunk
-    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
-    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
-    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    query, key_cache, value_cache, cu_q, seq_lens, table = paged_prefill_inputs(batch, chunk, prefix)
     args = (query, key_cache, value_cache, cu_q, seq_lens, table)
     # The same keys, contiguous: sequence b's blocks gathered in table order.
     k, v = (cache[table.long()].reshape(batch * context, HKV, D) for cache in (key_cache, value_cache))
@@ -454,11 +462,8 @@ def paged_prefill_rows(library, batch: int = 8, prefix: int = 4096, chunk: int =
     from compiled_attn import ops
     from compiled_attn.ops.triton_kernels.prefill import paged_prefill
 
-    context = prefix + chunk
-    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
-    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
-    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
-    args = (query, key_cache, value_cache, cu, seq_lens, table)
+    args = paged_prefill_inputs(batch, chunk, prefix)
+    query, key_cache, value_cache, cu, seq_lens, table = args
     ms = {"flash-attn 4": _queued_ms(lambda: library.varlen(query, key_cache, value_cache, cu_seqlens_q=cu,
                                                            cu_seqlens_k=None, seqused_k=seq_lens, page_table=table,
                                                            causal=True)),
@@ -566,9 +571,7 @@ def gluon_rows(batch: int = 8, prefix: int = 4096, chunk: int = 512) -> list[Res
             rows.append(ResultRow(f"prefill {case} plain: SDPA cuDNN / gluon", "ms", _queued_ms(cudnn), "gluon ms",
                                   _queued_ms(lambda: gluon_prefill.varlen_prefill(q, k, v, cu, cu))))
     context = prefix + chunk
-    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(batch, context)
-    query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
-    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    query, key_cache, value_cache, cu_q, seq_lens, table = paged_prefill_inputs(batch, chunk, prefix)
     k, v = (cache[table.long()].reshape(batch * context, HKV, D) for cache in (key_cache, value_cache))
     cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * context
     case = f"paged prefill B={batch} {chunk} new after {prefix} cached, block {BLOCK}"
@@ -660,14 +663,8 @@ def routing_rows() -> list[ResultRow]:
             rows.append(ResultRow(f"routing {case} plain ({timer}): op with backend / without", "ms", theirs[i],
                                   "ours ms", ours[i]))
     for case, batch, chunk, prefix, block in ROUTING_PAGED:
-        context = prefix + chunk
-        blocks = batch * context // block
-        key_cache, value_cache = (torch.randn(blocks, block, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
-        table = torch.randperm(blocks).to(device="cuda", dtype=torch.int32).view(batch, -1)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        query = torch.randn(batch * chunk, HQ, D, dtype=DTYPE, device="cuda")
-        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
-        theirs, ours = both(lambda: ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, table))
+        args = paged_prefill_inputs(batch, chunk, prefix, block)
+        theirs, ours = both(lambda: ops.paged_attention(*args))
         for i, timer in enumerate(("queued", "one eager call")):
             rows.append(ResultRow(f"routing paged {case} plain ({timer}): op with backend / without", "ms", theirs[i],
                                   "ours ms", ours[i]))

@@ -22,10 +22,8 @@ import importlib.util
 from pathlib import Path
 from unittest import mock
 
-import torch
-
-from bench_kernels import BLOCK, D, DTYPE, HQ, _alternated_ms, _scaled_diff, _varlen_batches, _varlen_inputs, \
-    decode_inputs, short_varlen_batch
+from bench_kernels import BLOCK, D, _alternated_ms, _scaled_diff, _varlen_batches, _varlen_inputs, \
+    paged_prefill_inputs, short_varlen_batch
 from compiled_attn.ops.triton_kernels import gluon_prefill
 
 
@@ -62,12 +60,9 @@ def cases() -> dict[str, tuple]:
         if case in batches:
             out[f"{case} differential"] = (gluon_prefill.varlen_prefill, (q, k, v, cu, cu, lam),
                                            gluon_prefill.default_tiles(q, len(lens), True, False))
-    _, key_cache, value_cache, _, seq_lens, table = decode_inputs(8, 4096 + 512)
-    query = torch.randn(8 * 512, HQ, D, dtype=DTYPE, device="cuda")
-    cu = torch.arange(0, 9, dtype=torch.int32, device="cuda") * 512
-    out[f"paged 512 after 4096 block {BLOCK} plain"] = (gluon_prefill.paged_prefill,
-                                                        (query, key_cache, value_cache, cu, seq_lens, table),
-                                                        gluon_prefill.default_tiles(query, 8, False, True))
+    paged = paged_prefill_inputs(8, 512, 4096)
+    out[f"paged 512 after 4096 block {BLOCK} plain"] = (gluon_prefill.paged_prefill, paged,
+                                                        gluon_prefill.default_tiles(paged[0], 8, False, True))
     return out
 
 

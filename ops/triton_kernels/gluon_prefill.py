@@ -254,8 +254,14 @@ def default_tiles(q: Tensor, num_seqs: int, differential: bool, paged: bool) -> 
         return DIFFERENTIAL_TILES[q.shape[-1]]
     if paged:
         return PAGED_TILES
-    work_tiles = q.shape[-2] * (q.shape[0] // (2 * TILES.block_m) + num_seqs)
+    work_tiles = q.shape[-2] * _num_q_tiles(q.shape[0], num_seqs, 2 * TILES.block_m)
     return TILES._replace(dynamic=work_tiles < DYNAMIC_MAX_WAVES * multiprocessor_count(q.device))
+
+
+def _num_q_tiles(num_tokens: int, num_seqs: int, tile_m: int) -> int:
+    """``Tq // TILE_M + B``: the varlen bound of a launch's query tiles (each sequence's last
+    tile may be partial), the kernel's ``num_q_tiles``."""
+    return num_tokens // tile_m + num_seqs
 
 
 def _validate_tiles(tiles: GluonTiles) -> None:
@@ -293,7 +299,7 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     cu_seqlens_q, kv_lens = cu_seqlens_q.contiguous(), kv_lens.contiguous()
     block_table = None if block_table is None else block_table.contiguous()
     tile_m = tiles.block_m if differential else 2 * tiles.block_m
-    num_q_tiles = num_tokens // tile_m + num_seqs
+    num_q_tiles = _num_q_tiles(num_tokens, num_seqs, tile_m)
     if paged:
         num_blocks, block_size = k.shape[:2]
         kv_rows, box = num_blocks * block_size, min(block_size, tiles.block_n)
