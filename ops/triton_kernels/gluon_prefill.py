@@ -37,7 +37,9 @@ class GluonTiles(NamedTuple):
     ``early_waits``: overlap's step waits for the next step's keys and values while its
     wgmma run (the kernel's ``EARLY_WAITS``);
     ``dynamic``: work tiles claimed from an atomic counter, not dealt round-robin (the
-    kernel's ``DYNAMIC``; a zeroed ``[1]`` int32 counter a launch)."""
+    kernel's ``DYNAMIC``; a zeroed ``[1]`` int32 counter a launch); ``lazy_rescale``:
+    flash-attn 4's lazy rescaling, the accumulator rescaled only when a row's running
+    maximum moves by more than ``2^8`` (the kernel's ``LAZY_RESCALE``)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -47,12 +49,14 @@ class GluonTiles(NamedTuple):
     dynamic: bool = False
     values_first: bool = False
     early_waits: bool = False
+    lazy_rescale: bool = False
 
     def label(self) -> str:
         """``64x128 s2`` with each set schedule's name appended (`` overlap``, `` values-first``,
-        `` early-waits``, `` pingpong``, `` dynamic``; benchmark rows)."""
+        `` early-waits``, `` pingpong``, `` dynamic``, `` lazy-rescale``; benchmark rows)."""
         schedules = (" overlap" * self.overlap + " values-first" * self.values_first
-                     + " early-waits" * self.early_waits + " pingpong" * self.pingpong + " dynamic" * self.dynamic)
+                     + " early-waits" * self.early_waits + " pingpong" * self.pingpong + " dynamic" * self.dynamic
+                     + " lazy-rescale" * self.lazy_rescale)
         return f"{self.block_m}x{self.block_n} s{self.stages}{schedules}"
 
 
@@ -100,9 +104,14 @@ PAGED_TILES = TILES._replace(early_waits=False)
 # D 128 (shared memory: queries 64 KiB, keys 64, values 64, the o_2 exchange 32), 128 at D 64. H200
 # (2026-12-02, D 128, the day's last runs): dynamic 0.874 ms at B=8 S=2048 against 0.957 round-robin
 # in the same call (the Hopper prefill kernel's sequential schedule 0.96-1.00), 10.30 against 10.23
-# for the 64 sequences (11.29); other tiles not timed.
+# for the 64 sequences (11.29); other tiles not timed. `lazy_rescale` at D 128 (2026-12-02, H200,
+# profiling/gluon_ab.py, 3 rounds in turns, ms): 0.8280 against 0.8532 at B=8 S=2048, 9.608 against
+# 9.998 for the 64 sequences (a step's 128 FMULs of its 64 x 256 accumulator skipped). The same
+# call timed it for plain prefill: 0.5543 against 0.5481 at B=8 S=2048, 3.704 / 3.649 at B=1 S=16384,
+# 6.727 / 6.730 for the 64 sequences, 0.5343 / 0.5428 paged (its 64 FMULs ran among the exponentials
+# anyway): left off there. D 64 (64 FMULs a step) not timed: left off.
 DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True, dynamic=True),
-                      128: GluonTiles(64, 64, 2, overlap=True, pingpong=True, dynamic=True)}
+                      128: GluonTiles(64, 64, 2, overlap=True, pingpong=True, dynamic=True, lazy_rescale=True)}
 
 
 @functools.cache
@@ -324,7 +333,7 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     constexprs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[-2], HEAD_SIZE=head_size, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, STAGES=tiles.stages, PAGED=paged, BLOCK_SIZE=block_size,
                       OVERLAP=tiles.overlap, PINGPONG=tiles.pingpong, VALUES_FIRST=tiles.values_first,
-                      EARLY_WAITS=tiles.early_waits, DIFFERENTIAL=differential,
+                      EARLY_WAITS=tiles.early_waits, LAZY_RESCALE=tiles.lazy_rescale, DIFFERENTIAL=differential,
                       LAMBDA_PER_PAIR=differential and lambda_full.numel() > 1, DYNAMIC=tiles.dynamic)
     units = num_heads // 2 if differential else num_heads
     grid = (min(units * num_q_tiles, multiprocessor_count(q.device)),)

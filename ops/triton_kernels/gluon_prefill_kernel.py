@@ -18,13 +18,17 @@ softmax runs. Here each program holds three partitions:
   other's matrix work (FlashAttention-3's inter-warpgroup schedule, §3.1); ``OVERLAP``: a
   consumer issues the next tile's scores before this tile's ``p v`` and runs the softmax
   under it (the intra-warpgroup schedule, §3.2; so the PTX orders it, but Triton 3.6's ptxas
-  moves the wait for ``p v`` above the softmax, and a branch that kept it in place ran
-  slower on the H200: ``profiling/results/kernels.md``, 2026-12-02); ``VALUES_FIRST`` (with
+  moves the wait for ``p v`` above the softmax: the packing of the next ``p`` and the
+  rescale it puts among the exponentials write registers the in-flight wgmma reads; kept in
+  place, FlashAttention-3's way, it ran 1-4% slower on the H200:
+  ``profiling/results/kernels.md``, 2026-12-02); ``VALUES_FIRST`` (with
   ``OVERLAP``): ``p v`` issued before the next scores, both retired before the softmax, one
   wgmma batch a step (what ptxas made of ``OVERLAP`` anyway); ``EARLY_WAITS`` (with
   ``OVERLAP``): a step waits for the next step's keys and values while its wgmma run. The
   softmax between keeps ptxas's issue slots full: tree row maxima, the accumulator rescaled
-  among the exponentials, the probabilities packed to 16 bits there (:func:`_softmax`).
+  among the exponentials, the probabilities packed to 16 bits there (:func:`_softmax`);
+  ``LAZY_RESCALE``: the accumulator rescaled only when a row's maximum moves by more than
+  ``2^8`` (flash-attn 4's lazy rescaling), behind a branch of the warpgroup.
   ``DIFFERENTIAL``: both consumers take the same ``BLOCK_M`` rows of one head pair,
   consumer ``c`` the component ``c`` (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile
   loaded once (``k1``, ``k2`` and the ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6
@@ -97,9 +101,13 @@ _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # a consumer thread's registers; the producer warpgroup keeps the rest (56; Triton sets them with
 # setmaxnreg). At 232 / 40 the producer's key loop spilled once it kept its sequence's metadata and
 # sent keys before values; at 224 / 56 no key step reloads a spilled value (what ptxas still counts
-# in the paged cases, Triton 3.6 up to 24 / 24 bytes, 3.9 up to 16 / 32, is reloaded once a work
-# tile or once a program)
+# in the paged cases, Triton 3.6 up to 36 / 36 bytes, 3.9 up to 16 / 32, is reloaded once a work
+# tile or once a program), but in the paged differential build of Triton 3.6 (lazy rescaling): one
+# value of its reduction, a key step
 CONSUMER_REGISTERS = gl.constexpr(224)
+# LAZY_RESCALE (:func:`_softmax`): how far, in exponent units (log2), a tile's row maximum may pass the
+# running one before it moves (flash-attn 4's sm100 forward: 8.0; the probabilities then reach 2^8)
+RESCALE_THRESHOLD = gl.constexpr(8.0)
 
 
 @gluon.constexpr_function
@@ -433,20 +441,32 @@ def _fold_columns(x, MAX: gl.constexpr):
 
 @gluon.jit
 def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-             dtype: gl.constexpr):
+             dtype: gl.constexpr, LAZY: gl.constexpr):
     """One online-softmax step over the scores ``s`` of the key tile from key ``start``,
     masked when ``MASKED`` (keys past ``kv_len`` or unseen from positions ``pos``):
-    ``(m_new, l_new, p, alpha)``; the accumulator's update is ``acc * alpha + p v``. The
-    row maximum is a tree (:func:`_fold_columns`), ``alpha`` comes first (below). ``l``
-    is ``[M, 4]``, each quad thread's share of its row's sum (:func:`_fold_columns`; summed
-    once, by :func:`_normalize`, as FlashAttention-3 does); ``p`` is rounded to ``dtype`` in
-    pairs (:func:`_pack_pairs`)."""
+    ``(m_new, l_new, p, alpha, moved)``; the accumulator's update is ``acc * alpha + p v``
+    (:func:`_rescale`). The row maximum is a tree (:func:`_fold_columns`), ``alpha`` comes
+    first (below). ``l`` is ``[M, 4]``, each quad thread's share of its row's sum
+    (:func:`_fold_columns`; summed once, by :func:`_normalize`, as FlashAttention-3 does);
+    ``p`` is rounded to ``dtype`` in pairs (:func:`_pack_pairs`). ``LAZY``: flash-attn 4's
+    lazy rescaling (its sm100 forward): a row's running maximum moves only when the tile's
+    exceeds it by more than ``RESCALE_THRESHOLD`` exponent units, else the row keeps it
+    (``p <= 2^RESCALE_THRESHOLD``, exact in fp32 and as precise in bf16) and its ``alpha``
+    is 1; ``moved`` (int32, > 0 when some row of the consumer moved) lets the caller skip
+    the accumulator's rescale. Not ``LAZY``: ``moved`` is 1."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     if MASKED:
         keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = ((pos[:, None] - keys[None, :]) >= min_dist) & (keys < kv_len)[None, :]
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m, gl.convert_layout(gl.max(_fold_columns(s, True), axis=1), m.type.layout))
+    m_tile = gl.convert_layout(gl.max(_fold_columns(s, True), axis=1), m.type.layout)
+    if LAZY:  # (a row with max -inf and a tile of -inf: NaN > threshold, false: it stays -inf)
+        moves = (m_tile - m) * qk_scale > RESCALE_THRESHOLD
+        m_new = gl.where(moves, m_tile, m)
+        moved = gl.max(moves.to(gl.int32), axis=0)
+    else:
+        m_new = gl.maximum(m, m_tile)
+        moved = gl.full([], 1, gl.int32)
     if MASKED:  # a row that has seen no key yet keeps max -inf: exponents against 0
         m_new_scaled = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
     else:
@@ -457,13 +477,20 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
     m_new_scaled = gl.fma(alpha, 0.0, m_new_scaled)
     p = gl.exp2(s * qk_scale - m_new_scaled[:, None])
     l = l * gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout))[:, None] + _fold_columns(p, False)
-    return m_new, l, _pack_pairs(p, dtype), alpha
+    return m_new, l, _pack_pairs(p, dtype), alpha, moved
 
 
 @gluon.jit
-def _rescale(acc, alpha):
-    """``acc * alpha`` per row (``alpha`` in the score rows' layout)."""
-    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+def _rescale(acc, alpha, moved, LAZY: gl.constexpr):
+    """``acc * alpha`` per row (``alpha`` in the score rows' layout); ``LAZY``: only when
+    ``moved > 0`` (:func:`_softmax`: else every ``alpha`` is 1), a branch of the whole
+    warpgroup."""
+    if LAZY:
+        if moved > 0:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    else:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return acc
 
 
 @gluon.jit
@@ -495,7 +522,7 @@ def _as_operand(pairs, dtype: gl.constexpr, VALUE_COLS: gl.constexpr):
 def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
                 start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
                 MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VALUE_COLS: gl.constexpr,
-                STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr):
+                STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr, LAZY: gl.constexpr):
     """A key tile without overlap: scores, softmax, ``p v``, each waited for in turn (keys
     ``k_bufs[stage * K_PARTS + K_PART]``)."""
     s, phase = _stage(kv_count, STAGES)
@@ -505,8 +532,9 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     _pass_turn(turns, CONSUMER, PINGPONG)
     scores = warpgroup_mma_wait(0, deps=(scores,))
     mbarrier.arrive(k_empty.index(s), count=1)
-    m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
-    acc = _rescale(acc, alpha)
+    m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
+                                     v_bufs.dtype, LAZY)
+    acc = _rescale(acc, alpha, moved, LAZY)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
     acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(s), acc, is_async=True)
@@ -534,12 +562,12 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                      turn_count, start, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr,
                      PINGPONG: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr, K_PART: gl.constexpr,
-                     VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr, has_next):
+                     VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr, LAZY: gl.constexpr, has_next):
     """FlashAttention-3's intra-warpgroup overlap (§3.2): with the previous key tile's
     probabilities ``p`` (buffer ``kv_count - 1``), issue this tile's ``q kᵀ`` and then the
     previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
     tile's softmax runs while ``p v`` is still on the tensor cores (in the PTX: ptxas moves
-    the wait for ``p v`` above the softmax). ``VALUES_FIRST``: ``p v`` issued first, both
+    the wait for ``p v`` above the softmax, see the module). ``VALUES_FIRST``: ``p v`` issued first, both
     retired before the softmax (one wgmma batch a step). ``p`` crosses steps in 16-bit pairs
     (:func:`_pack_pairs`). ``EARLY_WAITS``:
     this step's keys and values were waited for by the step before (:func:`_await_next`; on
@@ -565,7 +593,8 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
         mbarrier.arrive(v_empty.index(prev), count=1)
         scores = warpgroup_mma_wait(0, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
-        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
+        m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
+                                         v_bufs.dtype, LAZY)
     else:
         if not EARLY_WAITS:
             mbarrier.wait(k_ready.index(s), phase)
@@ -579,10 +608,11 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
             _await_next(k_ready, v_ready, kv_count, has_next, STAGES)
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
-        m, l, p, alpha = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N, v_bufs.dtype)
+        m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
+                                         v_bufs.dtype, LAZY)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    return m, l, _rescale(acc, alpha), p, kv_count + 1, turn_count + 1
+    return m, l, _rescale(acc, alpha, moved, LAZY), p, kv_count + 1, turn_count + 1
 
 
 @gluon.jit
@@ -590,7 +620,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
             masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, VALUE_COLS: gl.constexpr, STAGES: gl.constexpr, K_PARTS: gl.constexpr,
             K_PART: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr,
-            EARLY_WAITS: gl.constexpr):
+            EARLY_WAITS: gl.constexpr, LAZY: gl.constexpr):
     """``(m, l, acc, kv_count, turn_count)`` of a consumer's rows over key tiles ``tile_hi -
     1`` down to 0, the first ``masked_steps`` (>= 1 when ``tile_hi > 0``) masked. ``OVERLAP``:
     :func:`_overlapped_step` (the first tile without ``p v``, the last tile's ``p v`` after
@@ -611,8 +641,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
                 _await_next(k_ready, v_ready, kv_count, tile_hi > 1, STAGES)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_empty.index(s), count=1)
-            m, l, p, alpha = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale, True,
-                                      BLOCK_N, v_bufs.dtype)  # (acc is 0: no rescale)
+            m, l, p, alpha, moved = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
+                                             True, BLOCK_N, v_bufs.dtype, LAZY)  # (acc is 0: no rescale)
             kv_count += 1
             turn_count += 1
             for step in range(1, masked_steps):
@@ -620,13 +650,13 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
                     q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
                     True, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
-                    step + 1 < tile_hi)
+                    LAZY, step + 1 < tile_hi)
             for step in range(gl.maximum(masked_steps, 1), tile_hi):
                 m, l, acc, p, kv_count, turn_count = _overlapped_step(
                     q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, p, kv_count,
                     turn_count, (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG,
                     False, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, VALUES_FIRST, EARLY_WAITS,
-                    step + 1 < tile_hi)
+                    LAZY, step + 1 < tile_hi)
             prev, prev_phase = _stage(kv_count - 1, STAGES)
             if not EARLY_WAITS:
                 mbarrier.wait(v_ready.index(prev), prev_phase)
@@ -641,12 +671,12 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
             m, l, acc, kv_count, turn_count = _plain_step(
                 q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
                 (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG, True, BLOCK_M,
-                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, LAZY)
         for step in range(masked_steps, tile_hi):
             m, l, acc, kv_count, turn_count = _plain_step(
                 q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, m, l, acc, kv_count, turn_count,
                 (tile_hi - 1 - step) * BLOCK_N, pos, kv_len, min_dist, qk_scale, CONSUMER, PINGPONG, False, BLOCK_M,
-                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART)
+                BLOCK_N, VALUE_COLS, STAGES, K_PARTS, K_PART, LAZY)
     return m, l, acc, kv_count, turn_count
 
 
@@ -685,7 +715,8 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
               k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot,
               CONSUMER: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr,
-              EARLY_WAITS: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr):
+              EARLY_WAITS: gl.constexpr, LAZY_RESCALE: gl.constexpr, DIFFERENTIAL: gl.constexpr,
+              LAMBDA_PER_PAIR: gl.constexpr):
     """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
     component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
     interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
@@ -717,7 +748,7 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
         m, l, acc, kv_count, turn_count = _attend(
             q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, kv_count, turn_count, tile_hi,
             masked_steps, pos, kv_len, min_dist, qk_scale, CONSUMER, BLOCK_M, BLOCK_N, VALUE_COLS, STAGES, PARTS,
-            CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS)
+            CONSUMER if DIFFERENTIAL else 0, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS, LAZY_RESCALE)
         if DIFFERENTIAL:
             mbarrier.arrive(q_empty.index(qi), count=1)
         o = _normalize(acc, l)
@@ -751,7 +782,7 @@ def gluon_prefill_kernel(
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr,
-    DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr, DYNAMIC: gl.constexpr,
+    LAZY_RESCALE: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head;
     differential: ``BLOCK_M`` tokens x one head pair), over ``min(tiles, multiprocessors)``
@@ -782,8 +813,9 @@ def gluon_prefill_kernel(
         OVERLAP, PINGPONG: FlashAttention-3's intra- and inter-warpgroup schedules
             (:func:`_overlapped_step`, :func:`_await_turn`); VALUES_FIRST: OVERLAP's step
             with ``p v`` issued first; EARLY_WAITS: OVERLAP's step waits for the next
-            step's keys and values under its wgmma (:func:`_await_next`). DYNAMIC: tiles
-            claimed from ``tile_counter_ptr`` (the module's persistent schedule).
+            step's keys and values under its wgmma (:func:`_await_next`). LAZY_RESCALE:
+            flash-attn 4's lazy rescaling (:func:`_softmax`). DYNAMIC: tiles claimed from
+            ``tile_counter_ptr`` (the module's persistent schedule).
     """
     dtype: gl.constexpr = q_desc.dtype
     PARTS: gl.constexpr = 2 if DIFFERENTIAL else 1
@@ -829,9 +861,9 @@ def gluon_prefill_kernel(
          (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 0,
                       HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS,
-                      DIFFERENTIAL, LAMBDA_PER_PAIR)),
+                      LAZY_RESCALE, DIFFERENTIAL, LAMBDA_PER_PAIR)),
          (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 1,
                       HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS,
-                      DIFFERENTIAL, LAMBDA_PER_PAIR))],
+                      LAZY_RESCALE, DIFFERENTIAL, LAMBDA_PER_PAIR))],
         [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
