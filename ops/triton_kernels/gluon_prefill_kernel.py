@@ -567,9 +567,9 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
     probabilities ``p`` (buffer ``kv_count - 1``), issue this tile's ``q kᵀ`` and then the
     previous tile's ``p v``; the scores retire first (wgmma groups retire in order), so this
     tile's softmax runs while ``p v`` is still on the tensor cores (in the PTX: ptxas moves
-    the wait for ``p v`` above the softmax, see the module). ``VALUES_FIRST``: ``p v`` issued first, both
-    retired before the softmax (one wgmma batch a step). ``p`` crosses steps in 16-bit pairs
-    (:func:`_pack_pairs`). ``EARLY_WAITS``:
+    the wait for ``p v`` above the softmax, see the module). ``VALUES_FIRST``: ``p v``
+    issued first, both retired before the softmax (one wgmma batch a step). ``p`` crosses
+    steps in 16-bit pairs (:func:`_pack_pairs`). ``EARLY_WAITS``:
     this step's keys and values were waited for by the step before (:func:`_await_next`; on
     the H200, 2026-12-02, a step's start to its turn wait took ~130 of its ~2850 cycles, on
     the consumers' critical path), and it waits for the next step's (``has_next``: there is a
