@@ -481,14 +481,11 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
 
 
 @gluon.jit
-def _rescale(acc, alpha, moved, LAZY: gl.constexpr):
-    """``acc * alpha`` per row (``alpha`` in the score rows' layout); ``LAZY``: only when
-    ``moved > 0`` (:func:`_softmax`: else every ``alpha`` is 1), a branch of the whole
-    warpgroup."""
-    if LAZY:
-        if moved > 0:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    else:
+def _rescale(acc, alpha, moved):
+    """``acc * alpha`` per row (``alpha`` in the score rows' layout), only when ``moved >
+    0`` (:func:`_softmax`: else every ``alpha`` is 1; a branch of the whole warpgroup under
+    lazy rescaling, a constant folded away without it)."""
+    if moved > 0:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return acc
 
@@ -534,7 +531,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     mbarrier.arrive(k_empty.index(s), count=1)
     m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
                                      v_bufs.dtype, LAZY)
-    acc = _rescale(acc, alpha, moved, LAZY)
+    acc = _rescale(acc, alpha, moved)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
     acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(s), acc, is_async=True)
@@ -612,7 +609,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                                          v_bufs.dtype, LAZY)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    return m, l, _rescale(acc, alpha, moved, LAZY), p, kv_count + 1, turn_count + 1
+    return m, l, _rescale(acc, alpha, moved), p, kv_count + 1, turn_count + 1
 
 
 @gluon.jit
