@@ -314,7 +314,8 @@ def test_default_tiles_claim_when_work_is_few_waves(monkeypatch):
     """With no tiles named, a plain varlen launch of fewer than ``DYNAMIC_MAX_WAVES`` waves
     of work tiles (``Hq * (Tq // 128 + B)`` over 132 programs) claims its tiles (``DYNAMIC``),
     one of more is dealt round-robin; paged launches are dealt round-robin without early
-    waits, differential ones take the differential tiles (dynamic). The launches run on CPU
+    waits, differential ones take the differential tiles (dynamic; at D 128 with lazy
+    rescaling, which no plain default has). The launches run on CPU
     tensors, recorded instead of made."""
     launches = []
     monkeypatch.setattr(gluon_prefill, "_run", lambda grid, args, constexprs: launches.append(constexprs))
@@ -340,6 +341,7 @@ def test_default_tiles_claim_when_work_is_few_waves(monkeypatch):
     assert (launches[-1]["DYNAMIC"], launches[-1]["EARLY_WAITS"]) == (False, False)
     gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 64], dtype=torch.int32), torch.ones(4))
     assert launches[-1]["DYNAMIC"] and launches[-1]["BLOCK_N"] == gluon_prefill.DIFFERENTIAL_TILES[128].block_n
+    assert launches[-1]["LAZY_RESCALE"] and not any(launch["LAZY_RESCALE"] for launch in launches[:-1])
 
 
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
