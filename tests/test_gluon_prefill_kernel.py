@@ -183,6 +183,26 @@ def test_gqa(num_heads, num_kv_heads):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (8, 2), (16, 2), (6, 2), (4, 4)],
+                         ids=["gqa2", "gqa4", "gqa8", "gqa3", "gqa1"])
+def test_pair_tails(num_heads, num_kv_heads):
+    """Sequences whose last 128-row tile holds 1, 63, 64 or 65 rows, alone or after whole
+    tiles, with and without a key prefix: pair tails (two query heads of a KV head, one a
+    consumer: ``gluon_prefill_kernel._pair_tail``) at even query heads a KV head, whole (the
+    TMA store) and partial (pointer stores); the unpaired tile at 65 rows and at odd ratios.
+    Contiguous (round-robin and claimed) and paged."""
+    q_lens = [1, 63, 64, 65, 129, 191, 192, 193]
+    k_lens = [q + 40 * (i % 2) for i, q in enumerate(q_lens)]
+    seed = 30 + num_heads + num_kv_heads
+    for dynamic in (False, True):
+        run_varlen(q_lens, k_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=seed + dynamic,
+                   tiles=gluon_prefill.TILES._replace(dynamic=dynamic))
+    run_paged([(0, 64), (100, 63), (17, 192), (256, 1), (5, 65), (0, 129)], num_heads=num_heads,
+              num_kv_heads=num_kv_heads, seed=seed + 2)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("window_right", [-1, 0, 37], ids=["none", "w0", "w37"])
 def test_noncausal(window_right):
     run_varlen([200, 1, 129], [333, 77, 129], causal=False, window_right=window_right, scale=0.07,

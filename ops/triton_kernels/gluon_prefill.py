@@ -321,10 +321,12 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     min_dist = 0 if causal else (-window_right if window_right >= 0 else -UNBOUNDED)
     qk_scale = default_scale(scale, head_size) * LOG2E
     q_desc = _descriptor(q, num_tokens, tile_m)
-    out_desc = q_desc if differential else _descriptor(out, num_tokens, tiles.block_m)  # (differential: unused)
-    # the output's TMA store reads a slice of a query buffer, laid out as q_desc's boxes
-    assert out_desc.layout == q_desc.layout, (out_desc.layout, q_desc.layout)
-    args = (out, out_desc, q_desc, _descriptor(k, kv_rows, box),
+    # (differential: unused) a pair tail's queries; the output's TMA store; both through slices of a query
+    # buffer, laid out as q_desc's boxes
+    q_half_desc = q_desc if differential else _descriptor(q, num_tokens, tiles.block_m)
+    out_desc = q_desc if differential else _descriptor(out, num_tokens, tiles.block_m)
+    assert out_desc.layout == q_half_desc.layout == q_desc.layout, (out_desc.layout, q_desc.layout)
+    args = (out, out_desc, q_desc, q_half_desc, _descriptor(k, kv_rows, box),
             _descriptor(v, kv_rows, box, 1 + differential), v, cu_seqlens_q, kv_lens, block_table,
             q if lambda_full is None else lambda_full.contiguous(),  # (plain: a placeholder, never read)
             # the tiles handed out past the first wave (static schedule: a placeholder, never read)

@@ -38,20 +38,21 @@ softmax runs. Here each program holds three partitions:
 
 The program is **persistent**: ``min(work tiles, multiprocessors)`` programs walk the work
 tiles, a tile being one query head and ``2 * BLOCK_M`` query tokens of one sequence
-(differential: one head pair and ``BLOCK_M`` tokens), units (heads or pairs) fastest and
-query tiles reversed, so the heaviest (causal: last) tiles start first. ``DYNAMIC`` off: a
-program takes tiles ``pid, pid + programs, ...``; on: its first is ``pid``, and each next
-one is claimed from a counter (``programs + atomic_add``) when the current one starts
-(FlashAttention-3's dynamic persistent scheduler), so no program is left with a tail of
-heavy tiles. Either way a program's tiles rise, its query tiles only walk down: the producer
-keeps its current sequence's metadata and reads ``cu_seqlens_q`` only when a tile leaves it
-(:func:`_locate`, :func:`_seek`: the varlen bound of :mod:`.prefill_kernel`; on the H200 a
-binary search on every tile, 3 to 7 dependent loads, had cost ~8% of the consumers' time),
-and posts each tile's fields beside its query buffer (:func:`_post_tile`; the fields past
-the five are padding): the consumers take them with the queries (:func:`_take_tile`) and
-never search. The producer loads the next tile's queries while the consumers finish the
-current one (two query buffers); a consumer's whole output rows leave through its slice of
-the tile's query buffer by one TMA store (:func:`_store_output`).
+(differential: one head pair and ``BLOCK_M`` tokens; a sequence's last plain tile with at most
+``BLOCK_M`` rows: ``BLOCK_M`` tokens of two query heads of a KV head, :func:`_pair_tail`),
+units (heads or pairs) fastest and query tiles reversed, so the heaviest (causal: last) tiles
+start first. ``DYNAMIC`` off: a program takes tiles ``pid, pid + programs, ...``; on: its
+first is ``pid``, and each next one is claimed from a counter (``programs + atomic_add``) when
+the current one starts (FlashAttention-3's dynamic persistent scheduler), so no program is
+left with a tail of heavy tiles. Either way a program's tiles rise, its query tiles only walk
+down: the producer keeps its current sequence's metadata and reads ``cu_seqlens_q`` only when
+a tile leaves it (:func:`_locate`, :func:`_seek`: the varlen bound of :mod:`.prefill_kernel`;
+on the H200 a binary search on every tile, 3 to 7 dependent loads, had cost ~8% of the
+consumers' time), and posts each tile's fields beside its query buffer (:func:`_post_tile`;
+the fields past the six are padding): the consumers take them with the queries
+(:func:`_take_tile`) and never search. The producer loads the next tile's queries while the
+consumers finish the current one (two query buffers); a consumer's whole output rows leave
+through its slice of the tile's query buffer by one TMA store (:func:`_store_output`).
 
 Shapes (token-major, as ``flash_attn_varlen_func``)::
 
@@ -212,8 +213,8 @@ def _tile_rows(q_first, BLOCK_M: gl.constexpr, CONSUMER: gl.constexpr, DIFFERENT
 
 
 # A posted work tile (:func:`_post_tile`): its fields, in one row of int32 (unit -1: no more tiles)
-POST_UNIT, POST_Q_FIRST, POST_Q_START, POST_Q_LEN, POST_KV_LEN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), \
-    gl.constexpr(3), gl.constexpr(4)
+POST_UNIT, POST_Q_FIRST, POST_Q_START, POST_Q_LEN, POST_KV_LEN, POST_PAIR = gl.constexpr(0), gl.constexpr(1), \
+    gl.constexpr(2), gl.constexpr(3), gl.constexpr(4), gl.constexpr(5)
 POST_FIELDS = gl.constexpr(8)
 
 
@@ -224,13 +225,14 @@ def _post_layout():
 
 
 @gluon.jit
-def _post_tile(slot, unit, q_first, q_start, q_len, kv_len):
+def _post_tile(slot, unit, q_first, q_start, q_len, kv_len, pair):
     """The producer: a work tile's fields into ``slot`` (``[POST_FIELDS]`` int32 beside a
     query buffer), before the buffer's ``q_ready`` arrival publishes them (the barrier:
     every producer thread's store lands before the arriving thread's release)."""
     field = gl.arange(0, POST_FIELDS, layout=_post_layout())
     row = gl.where(field == POST_UNIT, unit, gl.where(field == POST_Q_FIRST, q_first, gl.where(
-        field == POST_Q_START, q_start, gl.where(field == POST_Q_LEN, q_len, kv_len))))
+        field == POST_Q_START, q_start, gl.where(field == POST_Q_LEN, q_len, gl.where(
+            field == POST_KV_LEN, kv_len, pair)))))
     slot.store(row)
     _partition_barrier()
 
@@ -253,14 +255,14 @@ def _stage(count, STAGES: gl.constexpr):
 
 @gluon.jit
 def _take_tile(posts, q_ready, q_count):
-    """A consumer: ``(unit, q_first, q_start, q_len, kv_len)`` of the work tile the producer
-    posted with query buffer ``q_count % 2`` (waits for its ``q_ready``; unit -1: no more
-    tiles)."""
+    """A consumer: ``(unit, q_first, q_start, q_len, kv_len, pair)`` of the work tile the
+    producer posted with query buffer ``q_count % 2`` (waits for its ``q_ready``; unit -1: no
+    more tiles; ``pair``: :func:`_pair_tail`)."""
     qi, phase = _stage(q_count, 2)
     mbarrier.wait(q_ready.index(qi), phase)
     row = posts.index(qi).load(_post_layout())
     return (_field(row, POST_UNIT), _field(row, POST_Q_FIRST), _field(row, POST_Q_START), _field(row, POST_Q_LEN),
-            _field(row, POST_KV_LEN))
+            _field(row, POST_KV_LEN), _field(row, POST_PAIR))
 
 
 # ----------------------------------------------------------------------------- producer
@@ -326,8 +328,41 @@ def _load_values(v_desc, v_ptr, v_bufs, v_ready, v_empty, count, table_row, kv_s
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready, v_ready,
-              k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs,
+def _pair_tail(q_first, q_len, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """1 when ``PAIRS`` (plain prefill, an even count of query heads a KV head) and the work
+    tile from row ``q_first`` is its sequence's last with all its rows in consumer 0's half
+    (``q_len - q_first <= BLOCK_M``), else 0 (int32). Such a tile runs as a *pair tail*: the
+    ``BLOCK_M`` rows from ``q_first`` of two query heads of one KV head, one a consumer, over
+    key/value tiles loaded once: unit ``u < UNITS / 2`` takes heads ``2u`` and ``2u + 1``, the
+    units past are empty (so the programs that deal units of either parity share the pairs:
+    with 132 programs and 32 heads, round-robin deals a program units of one parity only).
+    Unpaired, consumer 1 would hold no row of the sequence and run every key step anyway: on
+    64 sequences of 128-4096 tokens, ~2.4% of the key steps (flash-attn 4 packs the query
+    heads of a KV head into every tile by default, ``pack_gqa``, which on our kernel ran
+    2-13% slower: ``profiling/results/kernels.md``, 2026-12-02)."""
+    return (q_len - q_first <= BLOCK_M).to(gl.int32) * PAIRS
+
+
+@gluon.jit
+def _load_queries(q_desc, q_half_desc, q_bufs, bar, qi, row, unit, pair, PAIRS: gl.constexpr, PARTS: gl.constexpr,
+                  HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A work tile's queries from token ``row`` into query buffer ``qi``, signalled on ``bar``:
+    one box of head ``unit`` (plain), the two heads of pair ``unit`` (differential), or a pair
+    tail's (:func:`_pair_tail`) two ``BLOCK_M``-row boxes of heads ``unit`` and ``unit + 1``."""
+    if PAIRS:
+        if pair > 0:
+            for c in gl.static_range(2):
+                _tma_load(q_half_desc, [row, (unit + c) * HEAD_SIZE], bar, q_bufs.index(qi).slice(c * BLOCK_M, BLOCK_M))
+        else:
+            _tma_load(q_desc, [row, unit * HEAD_SIZE], bar, q_bufs.index(qi))
+    else:
+        for part in gl.static_range(PARTS):
+            _tma_load(q_desc, [row, (unit * PARTS + part) * HEAD_SIZE], bar, q_bufs.index(qi * PARTS + part))
+
+
+@gluon.jit
+def _producer(q_desc, q_half_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, num_seqs,
               num_q_tiles, min_dist, cache_rows, stride_vb, stride_vt, stride_bt,
               NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -345,6 +380,7 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
     UNITS: gl.constexpr = NUM_HEADS // PARTS
     TILE_M: gl.constexpr = BLOCK_M if DIFFERENTIAL else 2 * BLOCK_M
     GROUP: gl.constexpr = NUM_HEADS // NUM_KV_HEADS  # query heads (pairs) a KV head (pair)
+    PAIRS: gl.constexpr = 1 if (not DIFFERENTIAL) and GROUP % 2 == 0 else 0  # pair tails (:func:`_pair_tail`)
     VALUE_COLS: gl.constexpr = PARTS * HEAD_SIZE
     ELEMENT_BYTES: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
     q_count = 0
@@ -355,20 +391,23 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
         unit, q_first, seq, first_tile, q_start, q_len, kv_start, kv_len = _locate(
             tile, seq, first_tile, q_start, q_len, kv_start, kv_len, cu_seqlens_q_ptr, kv_lens_ptr, num_q_tiles, UNITS,
             TILE_M, PAGED)
-        if q_first < q_len:
+        pair = _pair_tail(q_first, q_len, PAIRS, BLOCK_M)
+        # a pair tail's units: heads 2 unit and 2 unit + 1 for unit < UNITS / 2, none past
+        busy = (q_first < q_len) & ((pair == 0) | (unit < UNITS // 2))
+        unit = unit << pair
+        if busy:
             qi, phase = _stage(q_count, 2)
             mbarrier.wait(q_empty.index(qi), phase ^ 1)
-            _post_tile(posts.index(qi), unit, q_first, q_start, q_len, kv_len)
+            _post_tile(posts.index(qi), unit, q_first, q_start, q_len, kv_len, pair)
             mbarrier.expect(q_ready.index(qi), PARTS * q_desc.block_type.nbytes)
-            for part in gl.static_range(PARTS):
-                _tma_load(q_desc, [q_start + q_first, (unit * PARTS + part) * HEAD_SIZE], q_ready.index(qi),
-                          q_bufs.index(qi * PARTS + part))
+            _load_queries(q_desc, q_half_desc, q_bufs, q_ready.index(qi), qi, q_start + q_first, unit, pair, PAIRS,
+                          PARTS, HEAD_SIZE, BLOCK_M)
             q_count += 1
         if DYNAMIC:  # the next tile, claimed now: the atomic's round trip runs under the wait for a key buffer
             next_tile = gl.num_programs(0) + gl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
         else:
             next_tile = tile + gl.num_programs(0)
-        if q_first < q_len:
+        if busy:
             tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
             col = unit // GROUP * VALUE_COLS  # the KV head (pair)'s first column
             table_row = block_table_ptr + seq * stride_bt
@@ -392,7 +431,7 @@ def _producer(q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_re
         tile = next_tile
     qi, phase = _stage(q_count, 2)  # the end: unit -1, no queries (a plain arrive)
     mbarrier.wait(q_empty.index(qi), phase ^ 1)
-    _post_tile(posts.index(qi), -1, 0, 0, 0, 0)
+    _post_tile(posts.index(qi), -1, 0, 0, 0, 0, 0)
     mbarrier.arrive(q_ready.index(qi), count=1)
 
 
@@ -715,8 +754,9 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
               EARLY_WAITS: gl.constexpr, LAZY_RESCALE: gl.constexpr, DIFFERENTIAL: gl.constexpr,
               LAMBDA_PER_PAIR: gl.constexpr):
     """A consumer's ``BLOCK_M`` rows of each work tile (:func:`_tile_rows`; differential:
-    component ``CONSUMER``): the masked key tiles (diagonal band, last partial tile), then the
-    interior ones (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
+    component ``CONSUMER``; a pair tail: head ``unit + CONSUMER``'s, :func:`_pair_tail`): the
+    masked key tiles (diagonal band, last partial tile), then the interior ones
+    (:func:`_attend`), then the normalized output rows (:func:`_store_output`).
     Differential: consumer 1 hands ``o_2`` (the output dtype) to consumer 0 through
     ``x_buf`` (``x_ready``/``x_empty``), which stores ``o_1 - lambda * o_2``. The tiles are
     the producer's posts (:func:`_take_tile`), up to the one of unit -1."""
@@ -728,14 +768,16 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
     q_count = 0
     kv_count = 0
     turn_count = 0
-    unit, q_first, q_start, q_len, kv_len = _take_tile(posts, q_ready, q_count)
+    unit, q_first, q_start, q_len, kv_len, pair = _take_tile(posts, q_ready, q_count)
     while unit >= 0:
         qi = q_count % 2
         if DIFFERENTIAL:
             q_smem = q_bufs.index(qi * 2 + CONSUMER)
         else:
             q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
-        first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL)
+        # (a pair tail: both consumers' rows from q_first, consumer c's head unit + c)
+        first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL) - CONSUMER * BLOCK_M * pair
+        col = (unit + CONSUMER * pair) * VALUE_COLS
         tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
         _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
         # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
@@ -764,26 +806,27 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
                 o = o - lam * x_buf.load(o_layout).to(gl.float32)
                 mbarrier.arrive(x_empty, count=1)
         if CONSUMER == 0 or not DIFFERENTIAL:
-            _store_output(o, out_desc, out_ptr, q_smem, q_start, first_row, q_len, unit * VALUE_COLS, stride_ot,
-                          not DIFFERENTIAL)
+            _store_output(o, out_desc, out_ptr, q_smem, q_start, first_row, q_len, col, stride_ot, not DIFFERENTIAL)
         if not DIFFERENTIAL:  # (its query buffer held the output on its way out)
             mbarrier.arrive(q_empty.index(qi), count=1)
         q_count += 1
-        unit, q_first, q_start, q_len, kv_len = _take_tile(posts, q_ready, q_count)
+        unit, q_first, q_start, q_len, kv_len, pair = _take_tile(posts, q_ready, q_count)
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "num_q_tiles", "min_dist", "cache_rows"])
 def gluon_prefill_kernel(
-    out_ptr, out_desc, q_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr, lambda_ptr,
-    tile_counter_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb, stride_vt, stride_bt,
+    out_ptr, out_desc, q_desc, q_half_desc, k_desc, v_desc, v_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
+    lambda_ptr, tile_counter_ptr, num_seqs, num_q_tiles, qk_scale, min_dist, cache_rows, stride_ot, stride_vb,
+    stride_vt, stride_bt,
     NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_WAITS: gl.constexpr,
     LAZY_RESCALE: gl.constexpr, DIFFERENTIAL: gl.constexpr, LAMBDA_PER_PAIR: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head;
-    differential: ``BLOCK_M`` tokens x one head pair), over ``min(tiles, multiprocessors)``
-    persistent programs of 4 warps (the producer) + 2 x 4 warps (the consumers).
+    """Attention of a work tile (plain: ``2 * BLOCK_M`` query tokens x one query head, or
+    ``BLOCK_M`` x two, :func:`_pair_tail`; differential: ``BLOCK_M`` tokens x one head pair),
+    over ``min(tiles, multiprocessors)`` persistent programs of 4 warps (the producer) + 2 x 4
+    warps (the consumers).
 
     Args:
         out_ptr: ``[Tq, Hq, D]`` or, differential, ``[Tq, Hq / 2, 2D]`` (token stride
@@ -793,6 +836,8 @@ def gluon_prefill_kernel(
             differential: unused (any descriptor).
         q_desc: TMA descriptor over q ``[Tq, Hq * D]``, box ``[2 BLOCK_M, D]`` (differential
             ``[BLOCK_M, D]``).
+        q_half_desc: the same with box ``[BLOCK_M, D]`` (a pair tail's queries:
+            :func:`_pair_tail`; differential: unused, any descriptor).
         k_desc, v_desc: TMA descriptors over K and V ``[rows, Hkv * D]``, box ``[BLOCK_N, D]``
             or (PAGED) ``[min(BLOCK_SIZE, BLOCK_N), D]`` (v's box ``2D`` wide when
             differential); rows: tokens (contiguous) or ``num_blocks * BLOCK_SIZE`` cache
@@ -851,10 +896,11 @@ def gluon_prefill_kernel(
         mbarrier.init(x_ready, count=1)
         mbarrier.init(x_empty, count=1)
     gl.warp_specialize(
-        [(_producer, (q_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty, k_ready,
-                      v_ready, k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr, block_table_ptr,
-                      num_seqs, num_q_tiles, min_dist, cache_rows, stride_vb, stride_vt, stride_bt, NUM_HEADS,
-                      NUM_KV_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL, DYNAMIC)),
+        [(_producer, (q_desc, q_half_desc, k_desc, v_desc, v_ptr, q_bufs, k_bufs, v_bufs, posts, q_ready, q_empty,
+                      k_ready, v_ready, k_empty, v_empty, tile_counter_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+                      block_table_ptr, num_seqs, num_q_tiles, min_dist, cache_rows, stride_vb, stride_vt, stride_bt,
+                      NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, PAGED, BLOCK_SIZE, DIFFERENTIAL,
+                      DYNAMIC)),
          (_consumer, (out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, posts, q_ready, q_empty, k_ready,
                       v_ready, k_empty, v_empty, turns, x_ready, x_empty, qk_scale, min_dist, stride_ot, 0,
                       HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, OVERLAP, PINGPONG, VALUES_FIRST, EARLY_WAITS,
