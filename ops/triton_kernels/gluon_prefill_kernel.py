@@ -203,13 +203,14 @@ def _visible_end(first_row, last_row, q_len, kv_len, min_dist, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _tile_rows(q_first, BLOCK_M: gl.constexpr, CONSUMER: gl.constexpr, DIFFERENTIAL: gl.constexpr):
+def _tile_rows(q_first, pair, BLOCK_M: gl.constexpr, CONSUMER: gl.constexpr, DIFFERENTIAL: gl.constexpr):
     """The first query row of a consumer's ``BLOCK_M`` rows in a work tile from ``q_first``:
-    its half (plain) or the whole tile (differential: both consumers take the same rows)."""
+    its half (plain) or the whole tile (differential, and a pair tail, ``pair`` 1: both
+    consumers take the same rows, :func:`_pair_tail`)."""
     if DIFFERENTIAL:
         return q_first
     else:
-        return q_first + CONSUMER * BLOCK_M
+        return q_first + CONSUMER * BLOCK_M * (1 - pair)
 
 
 # A posted work tile (:func:`_post_tile`): its fields, in one row of int32 (unit -1: no more tiles)
@@ -775,9 +776,8 @@ def _consumer(out_ptr, out_desc, lambda_ptr, q_bufs, k_bufs, v_bufs, x_buf, post
             q_smem = q_bufs.index(qi * 2 + CONSUMER)
         else:
             q_smem = q_bufs.index(qi).slice(CONSUMER * BLOCK_M, BLOCK_M)
-        # (a pair tail: both consumers' rows from q_first, consumer c's head unit + c)
-        first_row = _tile_rows(q_first, BLOCK_M, CONSUMER, DIFFERENTIAL) - CONSUMER * BLOCK_M * pair
-        col = (unit + CONSUMER * pair) * VALUE_COLS
+        first_row = _tile_rows(q_first, pair, BLOCK_M, CONSUMER, DIFFERENTIAL)
+        col = (unit + CONSUMER * pair) * VALUE_COLS  # (a pair tail: consumer c's head is unit + c)
         tile_hi, _ = _visible_end(q_first, q_first + TILE_M - 1, q_len, kv_len, min_dist, BLOCK_N)
         _, full_hi = _visible_end(first_row, first_row + BLOCK_M - 1, q_len, kv_len, min_dist, BLOCK_N)
         # (at least one masked step: on the H200, Triton 3.6, a tile whose steps all ran in the
