@@ -241,17 +241,25 @@ def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seql
                    window_right, out, tiles)
 
 
+@functools.cache
+def _box_layout(box_rows: int, box_cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a TMA box ``[box_rows, box_cols]`` of fp16/bf16 (Gluon's
+    default swizzle for it; cached: building it costs more host time than the descriptor)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([box_rows, box_cols],
+                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(tensor: Tensor, rows: int, box_rows: int, box_heads: int = 1):
     """A TMA descriptor over ``tensor`` viewed as ``[rows, H * D]``, box ``[box_rows,
     box_heads * D]``."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     heads, size = tensor.shape[-2:]
-    dtype = gl.bfloat16 if tensor.dtype == torch.bfloat16 else gl.float16
     box = [box_rows, box_heads * size]
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], box, layout)
+    return TensorDescriptor(tensor, [rows, heads * size], [tensor.stride(-3), 1], box,
+                            _box_layout(box_rows, box[1], tensor.dtype))
 
 
 def default_tiles(q: Tensor, num_seqs: int, differential: bool, paged: bool) -> GluonTiles:

@@ -481,7 +481,7 @@ def _fold_columns(x, MAX: gl.constexpr):
 
 @gluon.jit
 def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-             dtype: gl.constexpr, LAZY: gl.constexpr):
+             dtype: gl.constexpr, LAZY: gl.constexpr, PER_KEY_MASK: gl.constexpr):
     """One online-softmax step over the scores ``s`` of the key tile from key ``start``,
     masked when ``MASKED`` (keys past ``kv_len`` or unseen from positions ``pos``):
     ``(m_new, l_new, p, alpha, moved)``; the accumulator's update is ``acc * alpha + p v``
@@ -493,12 +493,25 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
     exceeds it by more than ``RESCALE_THRESHOLD`` exponent units, else the row keeps it
     (``p <= 2^RESCALE_THRESHOLD``, exact in fp32 and as precise in bf16) and its ``alpha``
     is 1; ``moved`` (int32, > 0 when some row of the consumer moved) lets the caller skip
-    the accumulator's rescale. Not ``LAZY``: ``moved`` is 1."""
+    the accumulator's rescale. Not ``LAZY``: ``moved`` is 1.
+
+    The mask: key ``start + j`` is visible from a row when ``j`` is at most the row's last
+    visible key less ``start``, one compare and one select an element (ptxas folds each
+    thread's column into the row's bound: 130 instructions a warp a step over the unmasked
+    step's 476, Triton 3.6, plain D 128). ``PER_KEY_MASK`` (the differential schedule:
+    ``K_PARTS > 1`` at the callers): each key's distance and end tested apart (520 there).
+    On the H200 (2026-12-03) plain prefill ran 1.2-9% faster with the one compare, the
+    differential schedule 2-3% slower (ptxas schedules its steps differently):
+    ``profiling/results/kernels.md``."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    if MASKED:
+    if MASKED and PER_KEY_MASK:
         keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = ((pos[:, None] - keys[None, :]) >= min_dist) & (keys < kv_len)[None, :]
         s = gl.where(visible, s, float("-inf"))
+    elif MASKED:
+        last = gl.minimum(pos - min_dist, kv_len - 1) - start
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(cols[None, :] <= last[:, None], s, float("-inf"))
     m_tile = gl.convert_layout(gl.max(_fold_columns(s, True), axis=1), m.type.layout)
     if LAZY:  # (a row with max -inf and a tile of -inf: NaN > threshold, false: it stays -inf)
         moves = (m_tile - m) * qk_scale > RESCALE_THRESHOLD
@@ -570,7 +583,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     scores = warpgroup_mma_wait(0, deps=(scores,))
     mbarrier.arrive(k_empty.index(s), count=1)
     m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
-                                     v_bufs.dtype, LAZY)
+                                     v_bufs.dtype, LAZY, K_PARTS > 1)
     acc = _rescale(acc, alpha, moved)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
@@ -631,7 +644,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
         scores = warpgroup_mma_wait(0, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
         m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
-                                         v_bufs.dtype, LAZY)
+                                         v_bufs.dtype, LAZY, K_PARTS > 1)
     else:
         if not EARLY_WAITS:
             mbarrier.wait(k_ready.index(s), phase)
@@ -646,7 +659,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_empty.index(s), count=1)
         m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
-                                         v_bufs.dtype, LAZY)
+                                         v_bufs.dtype, LAZY, K_PARTS > 1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
     return m, l, _rescale(acc, alpha, moved), p, kv_count + 1, turn_count + 1
@@ -679,7 +692,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, k
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_empty.index(s), count=1)
             m, l, p, alpha, moved = _softmax(scores, m, l, (tile_hi - 1) * BLOCK_N, pos, kv_len, min_dist, qk_scale,
-                                             True, BLOCK_N, v_bufs.dtype, LAZY)  # (acc is 0: no rescale)
+                                             True, BLOCK_N, v_bufs.dtype, LAZY, K_PARTS > 1)  # (acc is 0: no rescale)
             kv_count += 1
             turn_count += 1
             for step in range(1, masked_steps):
