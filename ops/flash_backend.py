@@ -73,8 +73,8 @@ the output). flash-attn 2 and 3 take no page table in their varlen function
 (``FlashLibrary.takes_page_table``): paged calls stay on ours with them. Paged prefill
 through flash-attn 4 took 0.545 ms against 1.170 ms on our kernel (8 chunks of 512 tokens
 after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms, 2026-12-01); our Gluon prefill
-kernel now takes them in 0.540 ms, and keeps the causal chunks of head size 128 of at most
-2048 tokens a sequence on average (:func:`gluon_faster_paged`, 2026-12-02).
+kernel now takes them in 0.529 ms, and keeps the causal chunks of head size 128 of at most
+3072 tokens a sequence on average (:func:`gluon_faster_paged`, 2026-12-02 and 12-03).
 """
 
 from __future__ import annotations
@@ -262,8 +262,10 @@ def hopper_takes(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor) -> bool:
 
 GLUON_MIN_SEQUENCES = 8
 """Plain varlen calls of fewer sequences go to the library (see :func:`gluon_faster`)."""
-GLUON_MAX_MEAN_QUERY = 2048
-"""Plain calls of more query tokens a sequence (on average) go to the library."""
+GLUON_MAX_MEAN_QUERY = 3072
+"""Plain calls of more query tokens a sequence (on average) go to the library (2048 until
+2026-12-03, when the 64 sequences of 128-4096 tokens, 2219 on average, measured faster on
+ours: :func:`gluon_faster`)."""
 
 
 def _gluon_shaped(q: Tensor, sequences: int, causal: bool, window_left: int, window_right: int) -> bool:
@@ -295,7 +297,15 @@ def gluon_faster(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqle
       1.05 against 1.00 / 0.99; B=8 S=4096 2.01 / 2.07 against 2.01 / 2.02; 64 sequences of
       128-4096 tokens 6.78 / 6.70 against 6.59 / 6.49; non-causal B=8 S=2048 0.964 / 0.959
       against 0.936 / 0.929; head size 64 0.393 / 0.396 against 0.356 / 0.352;
-    * level, left to flash-attn 4: B=1 S=8192, B=2 S=4096, B=4 S=2048."""
+    * level, left to flash-attn 4: B=1 S=8192, B=2 S=4096, B=4 S=2048.
+
+    A third run (2026-12-03, lazy rescaling in our plain kernel; queued, then one eager
+    call, ms, flash-attn 4 against ours): 64 sequences of 128-4096 tokens 6.58 / 6.64 against
+    6.34 / 6.60 (so the mean bound rose to 3072), B=8 S=2048 0.564 / 0.565 against 0.542 /
+    0.523, B=8 S=4096 2.05 / 1.95 against 2.05 / 2.02, B=4 S=4096 1.02 / 0.98 against 1.04 /
+    1.03, B=1 S=16384 3.60 / 3.46 against 3.78 / 3.62. Calls of 0.2-0.4 ms read noisier in
+    that run (ours queued B=8 S=1024 0.220, B=32 S=512 0.304, against 0.197 and 0.233 in the
+    runs before; 16 sequences 0.268 against flash-attn 4's 0.411): left as they were."""
     from .triton_kernels.attention import gluon_takes_varlen
 
     sequences = cu_seqlens_q.shape[0] - 1

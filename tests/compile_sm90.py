@@ -109,8 +109,8 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     plain contiguous at D 64 and 128, paged at D 128 over blocks of 16, 64 and 256, and D 64
     over blocks of 16; differential contiguous at D 64 and 128 and paged at D 128 (block 16);
     the other ``early_waits`` of each default at D 128: plain contiguous without it (step
-    waits), plain paged (block 16) and differential contiguous with it; plain contiguous with
-    lazy rescaling (``lazy_rescale``, the differential default's at D 128)."""
+    waits), plain paged (block 16) and differential contiguous with it; plain contiguous without
+    lazy rescaling (``lazy_rescale``, the defaults' at D 128)."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
 
@@ -155,8 +155,8 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
         case[0] = "early-waits differential contiguous d128"
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, lam,
                                      tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(early_waits=True))
-        case[0] = "lazy-rescale contiguous d128"
-        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, tiles=gluon_prefill.TILES._replace(lazy_rescale=True))
+        case[0] = "eager-rescale contiguous d128"
+        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, tiles=gluon_prefill.TILES._replace(lazy_rescale=False))
     return launches
 
 

@@ -285,7 +285,7 @@ def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(f
     from compiled_attn.ops import triton_kernels
     from compiled_attn.ops.triton_kernels import attention as launchers
 
-    calls, ours, gluon = flash(4), [], []
+    calls, ours, gluon, bound = flash(4), [], [], flash_backend.GLUON_MAX_MEAN_QUERY
     monkeypatch.setattr(launchers, "gluon_takes_varlen", lambda *args: gluon.append(args) or True)
     monkeypatch.setattr(triton_kernels, "varlen_attention", lambda *args: ours.append(args) or args[0])
     g = torch.Generator().manual_seed(9)
@@ -308,7 +308,7 @@ def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(f
     assert not flash_backend.covers(*call())
     monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 1)  # over it
     assert flash_backend.covers(*call())
-    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2048)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", bound)
     flash(3)  # measured against flash-attn 4 only: flash-attn 3 keeps the call
     assert flash_backend.covers(*call())
     calls = flash(4)
@@ -445,7 +445,7 @@ def test_paged_chunks_of_at_most_the_mean_bound_stay_on_the_gluon_kernel(flash, 
     does."""
     from compiled_attn.ops.triton_kernels import attention as launchers
 
-    calls, gluon = flash(4), []
+    calls, gluon, bound = flash(4), [], flash_backend.GLUON_MAX_MEAN_QUERY
     monkeypatch.setattr(launchers, "gluon_takes_paged", lambda *args: gluon.append(args) or True)
     args = paged_args(head_size=128)
     full = (*args, None, None, True, -1, -1, 0.0, None, None)
@@ -467,7 +467,7 @@ def test_paged_chunks_of_at_most_the_mean_bound_stay_on_the_gluon_kernel(flash, 
     assert not flash_backend.covers_paged(*even_full)
     monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 3)
     assert flash_backend.covers_paged(*even_full)
-    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 2048)
+    monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", bound)
     monkeypatch.setattr(launchers, "gluon_takes_paged", lambda *args: False)
     assert flash_backend.covers_paged(*full)
 

@@ -78,7 +78,12 @@ class GluonTiles(NamedTuple):
 # timed the differential schedule with it slower (0.8806 / 0.9159 ms against 0.8473 / 0.8535 at B=8
 # S=2048), and a quarter of the exponentials on the FMA pipe (flash-attn 4's ex2 emulation)
 # slower for both (plain 6.971 against 6.858 ms, differential 10.26 against 9.911): not kept.
-TILES = GluonTiles(overlap=True, pingpong=True, values_first=True, early_waits=True)
+# `lazy_rescale` with each warp deciding for its own 16 rows (2026-12-03, H200, profiling/gluon_ab.py,
+# 5 rounds in turns, ms, against the same tiles without): 0.5350 against 0.5386 at B=8 S=2048, 6.409
+# against 6.473 for the 64 sequences, 0.5271 against 0.5332 paged (8 of 512 after 4096, block 16);
+# decided over the warpgroup (shared memory and a barrier a step) it had been slower (below). D 64
+# not timed apart (the op at B=8 S=2048: 0.373 ms, 0.396 the day before without it).
+TILES = GluonTiles(overlap=True, pingpong=True, values_first=True, early_waits=True, lazy_rescale=True)
 # `dynamic` (2026-12-02, H100, profiling/gluon_ab.py, against the same tiles round-robin, each pair
 # timed in turns, ms; waves: work tiles over the 132 programs): 0.2543 against 0.2662 at B=1 S=4096
 # (8 waves), 0.2870 / 0.3010 at B=4 S=2048 (16), 0.1589 / 0.1751 for 16 sequences of 128-1024 tokens
@@ -108,8 +113,9 @@ PAGED_TILES = TILES._replace(early_waits=False)
 # profiling/gluon_ab.py, 3 rounds in turns, ms): 0.8280 against 0.8532 at B=8 S=2048, 9.608 against
 # 9.998 for the 64 sequences (a step's 128 FMULs of its 64 x 256 accumulator skipped). The same
 # call timed it for plain prefill: 0.5543 against 0.5481 at B=8 S=2048, 3.704 / 3.649 at B=1 S=16384,
-# 6.727 / 6.730 for the 64 sequences, 0.5343 / 0.5428 paged (its 64 FMULs ran among the exponentials
-# anyway): left off there. D 64 (64 FMULs a step) not timed: left off.
+# 6.727 / 6.730 for the 64 sequences, 0.5343 / 0.5428 paged (then decided over the warpgroup). Each
+# warp deciding for its own rows (2026-12-03, 5 rounds in turns): 0.8209 against 0.8401 at B=8
+# S=2048, 9.413 against 9.676 for the 64 sequences. D 64 (64 FMULs a step) not timed: left off.
 DIFFERENTIAL_TILES = {64: GluonTiles(64, 128, 2, overlap=True, pingpong=True, dynamic=True),
                       128: GluonTiles(64, 64, 2, overlap=True, pingpong=True, dynamic=True, lazy_rescale=True)}
 
@@ -284,11 +290,15 @@ def _num_q_tiles(num_tokens: int, num_seqs: int, tile_m: int) -> int:
 def _validate_tiles(tiles: GluonTiles) -> None:
     """``values_first`` and ``early_waits`` are orders of ``overlap``'s step (without it the
     kernel would ignore them), and ``early_waits`` needs two key/value buffers (with one, a
-    step would wait for keys whose buffer it has not released). Raises ValueError."""
+    step would wait for keys whose buffer it has not released); ``lazy_rescale`` needs
+    ``block_m`` 64 (two rows a thread: a warp's rows rescaled or not together). Raises
+    ValueError."""
     if (tiles.values_first or tiles.early_waits) and not tiles.overlap:
         raise ValueError(f"tiles: values_first and early_waits need overlap=True, got {tiles}")
     if tiles.early_waits and tiles.stages < 2:
         raise ValueError(f"tiles: early_waits needs stages >= 2, got {tiles}")
+    if tiles.lazy_rescale and tiles.block_m != 64:
+        raise ValueError(f"tiles: lazy_rescale needs block_m=64, got {tiles}")
 
 
 def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,

@@ -28,7 +28,7 @@ softmax runs. Here each program holds three partitions:
   softmax between keeps ptxas's issue slots full: tree row maxima, the accumulator rescaled
   among the exponentials, the probabilities packed to 16 bits there (:func:`_softmax`);
   ``LAZY_RESCALE``: the accumulator rescaled only when a row's maximum moves by more than
-  ``2^8`` (flash-attn 4's lazy rescaling), behind a branch of the warpgroup.
+  ``2^8`` (flash-attn 4's lazy rescaling), each warp branching over its own 16 rows.
   ``DIFFERENTIAL``: both consumers take the same ``BLOCK_M`` rows of one head pair,
   consumer ``c`` the component ``c`` (``softmax(q_c k_cᵀ) [v1 | v2]``) over each key tile
   loaded once (``k1``, ``k2`` and the ``[BLOCK_N, 2D]`` value tile ``[v1 | v2]``: 6
@@ -102,13 +102,20 @@ _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # a consumer thread's registers; the producer warpgroup keeps the rest (56; Triton sets them with
 # setmaxnreg). At 232 / 40 the producer's key loop spilled once it kept its sequence's metadata and
 # sent keys before values; at 224 / 56 no key step reloads a spilled value (what ptxas still counts
-# in the paged cases, Triton 3.6 up to 36 / 36 bytes, 3.9 up to 16 / 32, is reloaded once a work
-# tile or once a program), but in the paged differential build of Triton 3.6 (lazy rescaling): one
-# value of its reduction, a key step
+# in the paged cases, Triton 3.6 up to 24 / 24 bytes, is reloaded once a work tile or a program)
 CONSUMER_REGISTERS = gl.constexpr(224)
 # LAZY_RESCALE (:func:`_softmax`): how far, in exponent units (log2), a tile's row maximum may pass the
 # running one before it moves (flash-attn 4's sm100 forward: 8.0; the probabilities then reach 2^8)
 RESCALE_THRESHOLD = gl.constexpr(8.0)
+# LAZY_RESCALE (:func:`_rescale`): accumulator elements a thread rescales behind one branch, and
+# that PTX (operands: the products $0.., the accumulator $PACK.., alphas $2PACK.., warp flags $3PACK..)
+_PACK = 32
+RESCALE_PACK = gl.constexpr(_PACK)
+_RESCALE_ASM = gl.constexpr(
+    "{ .reg .pred moved; " + "".join(f"mov.b32 ${i}, ${_PACK + i}; " for i in range(_PACK))
+    + f"setp.ne.s32 moved, ${3 * _PACK}, 0; @!moved bra.uni KEPT; "
+    + "".join(f"mul.f32 ${i}, ${i}, ${2 * _PACK + i}; " for i in range(_PACK)) + "KEPT: }")
+_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _PACK + ["f"] * (2 * _PACK) + ["r"] * _PACK))
 
 
 @gluon.constexpr_function
@@ -492,8 +499,8 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
     lazy rescaling (its sm100 forward): a row's running maximum moves only when the tile's
     exceeds it by more than ``RESCALE_THRESHOLD`` exponent units, else the row keeps it
     (``p <= 2^RESCALE_THRESHOLD``, exact in fp32 and as precise in bf16) and its ``alpha``
-    is 1; ``moved`` (int32, > 0 when some row of the consumer moved) lets the caller skip
-    the accumulator's rescale. Not ``LAZY``: ``moved`` is 1.
+    is 1; ``moved`` (int32 ``[M]``, 1 on the rows of a warp where some row moved, else 0:
+    :func:`_warp_any`) lets each warp skip its rows' rescale. Not ``LAZY``: ``moved`` is 1.
 
     The mask: key ``start + j`` is visible from a row when ``j`` is at most the row's last
     visible key less ``start``, one compare and one select an element (ptxas folds each
@@ -516,7 +523,7 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
     if LAZY:  # (a row with max -inf and a tile of -inf: NaN > threshold, false: it stays -inf)
         moves = (m_tile - m) * qk_scale > RESCALE_THRESHOLD
         m_new = gl.where(moves, m_tile, m)
-        moved = gl.max(moves.to(gl.int32), axis=0)
+        moved = _warp_any(moves.to(gl.int32))
     else:
         m_new = gl.maximum(m, m_tile)
         moved = gl.full([], 1, gl.int32)
@@ -534,11 +541,31 @@ def _softmax(s, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED: gl.constex
 
 
 @gluon.jit
-def _rescale(acc, alpha, moved):
-    """``acc * alpha`` per row (``alpha`` in the score rows' layout), only when ``moved >
-    0`` (:func:`_softmax`: else every ``alpha`` is 1; a branch of the whole warpgroup under
-    lazy rescaling, a constant folded away without it)."""
-    if moved > 0:
+def _warp_any(flags):
+    """``flags [M]`` (int32, a wgmma accumulator's rows: a thread holds two, a warp 16) as
+    1 on every row of a warp where some row's flag is set, else 0 (``vote.sync.any``: no
+    data leaves the warp, where a reduction over the warpgroup crosses shared memory and a
+    barrier)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred any; .reg .b32 both; or.b32 both, $2, $3; setp.ne.s32 any, both, 0; "
+        "vote.sync.any.pred any, any, 0xffffffff; selp.s32 $0, 1, 0, any; mov.b32 $1, $0; }",
+        "=r,=r,r,r", [flags], dtype=gl.int32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rescale(acc, alpha, moved, LAZY: gl.constexpr):
+    """``acc * alpha`` per row (``alpha`` in the score rows' layout). ``LAZY``: ``moved``
+    (:func:`_warp_any`, uniform over a warp) is 0 where no row of the warp moved (every
+    ``alpha`` 1 there), and the warp branches over its multiplies (a branch of each warp in
+    the PTX: the 128 FMULs a thread of the differential schedule's ``64 x 256`` accumulator
+    skipped as often as one warp's 16 rows hold still, not the warpgroup's 64)."""
+    if LAZY:
+        gl.static_assert(acc.shape[0] == 64, "lazy rescaling: 64 rows a consumer, two a thread")
+        alphas = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        moves = gl.convert_layout(moved, gl.SliceLayout(1, acc.type.layout))[:, None]
+        acc = gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, alphas, moves], dtype=gl.float32,
+                                        is_pure=True, pack=RESCALE_PACK)
+    else:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return acc
 
@@ -584,7 +611,7 @@ def _plain_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn
     mbarrier.arrive(k_empty.index(s), count=1)
     m, l, p, alpha, moved = _softmax(scores, m, l, start, pos, kv_len, min_dist, qk_scale, MASKED, BLOCK_N,
                                      v_bufs.dtype, LAZY, K_PARTS > 1)
-    acc = _rescale(acc, alpha, moved)
+    acc = _rescale(acc, alpha, moved, LAZY)
     mbarrier.wait(v_ready.index(s), phase)
     _await_turn(turns, turn_count + 1, CONSUMER, PINGPONG)
     acc = warpgroup_mma(_as_operand(p, v_bufs.dtype, VALUE_COLS), v_bufs.index(s), acc, is_async=True)
@@ -662,7 +689,7 @@ def _overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                                          v_bufs.dtype, LAZY, K_PARTS > 1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    return m, l, _rescale(acc, alpha, moved), p, kv_count + 1, turn_count + 1
+    return m, l, _rescale(acc, alpha, moved, LAZY), p, kv_count + 1, turn_count + 1
 
 
 @gluon.jit
