@@ -620,13 +620,15 @@ def gluon_cost_rows(fa4) -> list[ResultRow]:
 # ones: (case, batch, new tokens, cached tokens, block size).
 ROUTING_VARLEN = ([(f"B={b} S={s}", [s] * b, True, D) for b, s in ((1, 4096), (1, 8192), (1, 16384), (2, 4096),
                                                                      (4, 2048), (4, 4096), (8, 1024), (8, 2048),
-                                                                     (8, 4096), (16, 1024), (32, 512), (64, 256))]
+                                                                     (8, 3072), (8, 4096), (16, 1024), (32, 512),
+                                                                     (64, 256))]
                   + [("64 seqs 128-4096", _varlen_batches()["64 seqs 128-4096"], True, D),
                      ("16 seqs 128-1024", short_varlen_batch(), True, D),
                      ("non-causal B=8 S=2048", [2048] * 8, False, D), ("D=64 B=8 S=2048", [2048] * 8, True, 64)])
 ROUTING_PAGED = (("B=8 512 after 4096, block 16", 8, 512, 4096, 16),
                  ("B=8 512 after 4096, block 32", 8, 512, 4096, 32),
                  ("B=1 2048 after 8192, block 16", 1, 2048, 8192, 16),
+                 ("B=4 3072 after 1024, block 16", 4, 3072, 1024, 16),
                  ("B=32 128 after 2048, block 16", 32, 128, 2048, 16),
                  ("B=4 4096 after 0, block 16", 4, 4096, 0, 16))
 

@@ -110,7 +110,8 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     over blocks of 16; differential contiguous at D 64 and 128 and paged at D 128 (block 16);
     the other ``early_waits`` of each default at D 128: plain contiguous without it (step
     waits), plain paged (block 16) and differential contiguous with it; plain contiguous without
-    lazy rescaling (``lazy_rescale``, the defaults' at D 128)."""
+    lazy rescaling (``lazy_rescale``: the plain defaults have it, and the differential one at D
+    128)."""
     from compiled_attn.ops.triton_kernels import gluon_prefill
     from compiled_attn.ops.triton_kernels.gluon_prefill_kernel import gluon_prefill_kernel
 

@@ -135,7 +135,7 @@ def test_differential(head_size, per_pair):
     the two overlaps, with the other tile schedule (round-robin, the default being dynamic),
     with the other order of a step's two wgmma (``values_first``), with the key/value
     waits a step early (``early_waits``, varlen and paged) and with the other
-    ``lazy_rescale`` (D 128's default has it)."""
+    ``lazy_rescale`` (the default has it at D 128)."""
     lam = make_lambda(8, per_pair=per_pair, seed=head_size)
     run_varlen(LENS_Q, LENS_K, head_size=head_size, lam=lam, seed=head_size + per_pair)
     run_varlen([257, 64], [300, 64], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.float16, lam=lam,
@@ -520,31 +520,55 @@ def test_paged_prefill_in_a_cuda_graph(differential, monkeypatch):
     assert calls  # captured and eager calls took this kernel
 
 
-def test_launch_problems_are_named():
-    """The launchers refuse what the kernel cannot read with a ValueError (metadata of another
-    dtype: a TypeError) naming the tensor, and tiles it does not run with a ValueError naming
-    them, before any launch (CPU tensors: the checks run first)."""
-    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
-    kv = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+def test_launch_problems_are_named(monkeypatch):
+    """The launchers refuse what the kernel cannot read, or what the ops refuse, with a
+    ValueError (a dtype or type: a TypeError) naming the argument, and tiles it does not run
+    with a ValueError naming them, before any launch (CPU tensors: the checks run first; a
+    launch would fail the test)."""
+    monkeypatch.setattr(gluon_prefill, "_run", lambda *args: pytest.fail("launched"))
+    bf16 = dict(dtype=torch.bfloat16)
+    q, kv = torch.zeros(8, 4, 128, **bf16), torch.zeros(8, 2, 128, **bf16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     assert gluon_prefill.launch_problem(q, kv, kv, None) is None
-    for args, match in (((q.float(), kv.float(), kv.float()), "float16 or bfloat16"),
-                        ((q[..., :64].contiguous(), kv, kv), "head size"),
-                        ((torch.zeros(8, 4, 96, dtype=torch.bfloat16),)
-                         + (torch.zeros(8, 2, 96, dtype=torch.bfloat16),) * 2, "head size"),
-                        ((torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2], kv, kv), "q must have dense heads")):
-        with pytest.raises(ValueError, match=match):
-            gluon_prefill.varlen_prefill(*args, cu, cu)
-    with pytest.raises(ValueError, match="out must have dense heads"):
-        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, out=torch.zeros(8, 8, 128, dtype=torch.bfloat16)[:, ::2])
-    with pytest.raises(TypeError, match=r"cu_seqlens_k must have dtype in \(torch.int32\), got torch.int64"):
-        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu.long())
+    for args, kwargs, error, match in (
+            ((q.float(), kv.float(), kv.float(), cu, cu), {}, ValueError, "float16 or bfloat16"),
+            ((q[..., :64].contiguous(), kv, kv, cu, cu), {}, ValueError, r"head_size of k \(128\) must equal q's"),
+            ((torch.zeros(8, 4, 96, **bf16), torch.zeros(8, 2, 96, **bf16), torch.zeros(8, 2, 96, **bf16), cu, cu), {},
+             ValueError, r"head size in \(64, 128\), got 96"),
+            ((torch.zeros(8, 8, 128, **bf16)[:, ::2], kv, kv, cu, cu), {}, ValueError, "q must have dense heads"),
+            ((q, kv, kv, cu, cu), dict(out=torch.zeros(8, 8, 128, **bf16)[:, ::2]), ValueError,
+             "out must have dense heads"),
+            ((q.view(8, 512), kv, kv, cu, cu), {}, ValueError, "q must be 3-D"),
+            ((q, kv, torch.zeros(8, 4, 128, **bf16), cu, cu), {}, ValueError, "v must have k's shape"),
+            ((torch.zeros(8, 3, 128, **bf16), kv, kv, cu, cu), {}, ValueError, "multiple of num_kv_heads"),
+            ((q, kv, kv, cu, cu, torch.ones(3)), {}, ValueError, r"lambda_full must have shape \[\] or \[num_heads"),
+            ((q, kv, kv, cu.view(1, 2), cu), {}, ValueError, "cu_seqlens_q must be 1-D"),
+            ((q, kv, kv, cu, cu), dict(scale=-1.0), ValueError, "scale must be finite and > 0"),
+            ((q, kv, kv, cu, cu.long()), {}, TypeError, r"cu_seqlens_k must have dtype in \(torch.int32\), got torch.int64"),
+            ((q, kv, kv, [0, 8], cu), {}, TypeError, "cu_seqlens_q must be a torch.Tensor, got list"),
+            ((q, kv, kv, cu, cu), dict(tiles=(64, 128, 2)), TypeError, "tiles must be a GluonTiles, got tuple")):
+        with pytest.raises(error, match=match):
+            gluon_prefill.varlen_prefill(*args, **kwargs)
     for tiles, match in ((gluon_prefill.GluonTiles(early_waits=True), "early_waits need overlap=True"),
                          (gluon_prefill.GluonTiles(values_first=True), "values_first and early_waits need overlap"),
                          (gluon_prefill.TILES._replace(stages=1, early_waits=True), "early_waits needs stages >= 2"),
-                         (gluon_prefill.TILES._replace(block_m=128), "lazy_rescale needs block_m=64")):
+                         (gluon_prefill.TILES._replace(block_m=128), "block_m must be 64"),
+                         (gluon_prefill.TILES._replace(block_n=32), "block_n 64 or 128"),
+                         (gluon_prefill.TILES._replace(stages=0), "stages at least 1"),
+                         (gluon_prefill.TILES._replace(stages=3), "263168 bytes of shared memory at head size 128")):
         with pytest.raises(ValueError, match=match):
             gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, tiles=tiles)
-    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"seq_lens must have dtype in \(torch.int32\), got torch.int64"):
-        gluon_prefill.paged_prefill(q, cache, cache, cu, torch.tensor([8]), torch.zeros(1, 2, dtype=torch.int32))
+    # a differential schedule over 4 stages of 64 keys would take 353 KiB
+    with pytest.raises(ValueError, match=r"\(differential\), over the 232448"):
+        gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, torch.ones(2),
+                                     tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(stages=4))
+    cache, table = torch.zeros(2, 16, 2, 128, **bf16), torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([8], dtype=torch.int32)
+    for args, error, match in (((q, cache, cache, cu, lens.long(), table), TypeError,
+                                r"seq_lens must have dtype in \(torch.int32\), got torch.int64"),
+                               ((q, cache, cache, cu, lens, table[0]), ValueError, "block_table must be 2-D"),
+                               ((q, cache[0], cache[0], cu, lens, table), ValueError, "key_cache must be 4-D"),
+                               ((q, torch.zeros(4, 8, 2, 128, **bf16), torch.zeros(4, 8, 2, 128, **bf16), cu, lens,
+                                 table), ValueError, "block size must be a power of two >= 16, got 8")):
+        with pytest.raises(error, match=match):
+            gluon_prefill.paged_prefill(*args)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..attention import default_scale, output_buffer
-from ..validation import check_dtype
+from ..validation import check_paged_args, check_scalars, check_varlen_args
 from .launch_utils import device_guard, multiprocessor_count
 from .prefill import is_hopper
 
@@ -224,9 +224,12 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         would be left unwritten.
 
     Raises:
-        ValueError: tensors the kernel cannot read (:func:`launch_problem`) or tiles it does
-            not run (:func:`_validate_tiles`), before any launch.
-        TypeError: metadata not int32 (``validation.check_dtype``), before any launch.
+        ValueError: shapes the op refuses (``validation.check_varlen_args``, and
+            ``check_paged_args`` for :func:`paged_prefill`), a scale not finite and > 0,
+            tensors the kernel cannot read (:func:`launch_problem`) or tiles it does not run
+            (:func:`_validate_tiles`), before any launch.
+        TypeError: dtypes the op refuses (metadata not int32 included) or ``tiles`` not a
+            :class:`GluonTiles`, before any launch.
     """
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
@@ -272,7 +275,10 @@ def default_tiles(q: Tensor, num_seqs: int, differential: bool, paged: bool) -> 
     """The tiles of a launch that names none: :data:`DIFFERENTIAL_TILES` at ``q``'s head
     size, :data:`PAGED_TILES`, or :data:`TILES`, claimed (``dynamic``) when its work tiles
     (``Hq * (Tq // 128 + B)``, ``q`` ``[Tq, Hq, D]``) make fewer than
-    :data:`DYNAMIC_MAX_WAVES` waves of the programs (one a multiprocessor). Shapes only."""
+    :data:`DYNAMIC_MAX_WAVES` waves of the programs (one a multiprocessor). Shapes only.
+    Raises ValueError: a head size not in :data:`HEAD_SIZES`."""
+    if q.shape[-1] not in HEAD_SIZES:
+        raise ValueError(f"q: head size must be in {HEAD_SIZES}, got {q.shape[-1]}")
     if differential:
         return DIFFERENTIAL_TILES[q.shape[-1]]
     if paged:
@@ -287,35 +293,60 @@ def _num_q_tiles(num_tokens: int, num_seqs: int, tile_m: int) -> int:
     return num_tokens // tile_m + num_seqs
 
 
-def _validate_tiles(tiles: GluonTiles) -> None:
-    """``values_first`` and ``early_waits`` are orders of ``overlap``'s step (without it the
-    kernel would ignore them), and ``early_waits`` needs two key/value buffers (with one, a
-    step would wait for keys whose buffer it has not released); ``lazy_rescale`` needs
-    ``block_m`` 64 (two rows a thread: a warp's rows rescaled or not together). Raises
-    ValueError."""
+# shared memory a program may take on sm90 (H100/H200: 227 KiB)
+SHARED_MEMORY = 227 * 1024
+
+
+def _shared_bytes(tiles: GluonTiles, head_size: int, differential: bool) -> int:
+    """Shared memory of the kernel's buffers (16-bit elements): two query buffers of a work
+    tile's rows (``2 * block_m`` rows, or ``block_m`` of each component), ``stages`` key and
+    value buffers (differential: both components' keys, values ``2D`` wide, and the
+    ``[block_m, 2D]`` exchange of ``o_2``), and 1 KiB for barriers and tile posts (Triton
+    3.6's sm90 compiles of ``tests/compile_sm90.py``: the buffers plus 408-464 bytes)."""
+    parts = 2 if differential else 1
+    elements = (4 * tiles.block_m * head_size + 2 * tiles.stages * parts * tiles.block_n * head_size
+                + (tiles.block_m * 2 * head_size if differential else 0))
+    return 2 * elements + 1024
+
+
+def _validate_tiles(tiles: GluonTiles, head_size: int, differential: bool) -> None:
+    """Tiles the kernel runs: a :class:`GluonTiles` (else TypeError) of ``block_m`` 64 (one
+    wgmma's rows a consumer warpgroup, two a thread: lazy rescaling's per-warp decision),
+    ``block_n`` 64 or 128, at least one stage, within :data:`SHARED_MEMORY`
+    (:func:`_shared_bytes`); ``values_first`` and ``early_waits`` are orders of
+    ``overlap``'s step (without it the kernel would ignore them), and ``early_waits`` needs
+    two key/value buffers (with one, a step would wait for keys whose buffer it has not
+    released). Raises ValueError otherwise."""
+    if not isinstance(tiles, GluonTiles):
+        raise TypeError(f"tiles must be a GluonTiles, got {type(tiles).__name__}")
+    if tiles.block_m != 64 or tiles.block_n not in (64, 128) or tiles.stages < 1:
+        raise ValueError(f"tiles: block_m must be 64, block_n 64 or 128 and stages at least 1, got {tiles}")
     if (tiles.values_first or tiles.early_waits) and not tiles.overlap:
         raise ValueError(f"tiles: values_first and early_waits need overlap=True, got {tiles}")
     if tiles.early_waits and tiles.stages < 2:
         raise ValueError(f"tiles: early_waits needs stages >= 2, got {tiles}")
-    if tiles.lazy_rescale and tiles.block_m != 64:
-        raise ValueError(f"tiles: lazy_rescale needs block_m=64, got {tiles}")
+    if (shared := _shared_bytes(tiles, head_size, differential)) > SHARED_MEMORY:
+        raise ValueError(f"tiles: {tiles} take {shared} bytes of shared memory at head size {head_size}"
+                         f"{' (differential)' if differential else ''}, over the {SHARED_MEMORY} a program has")
 
 
 def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
             tiles) -> Tensor:
     """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
     ``None``, else paged caches; differential when ``lambda_full`` is given)."""
-    differential = lambda_full is not None
+    differential, paged = lambda_full is not None, block_table is not None
+    if paged:
+        check_paged_args(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, -1, window_right, 0.0, None)
+        if k.shape[1] < 16 or k.shape[1] & (k.shape[1] - 1):
+            raise ValueError(f"key_cache: block size must be a power of two >= 16, got {k.shape[1]}")
+    else:
+        check_varlen_args(q, k, v, cu_seqlens_q, kv_lens, lambda_full, -1, window_right, 0.0, None)
+    check_scalars(default_scale(scale, q.shape[-1]), 0.0)
     if (problem := launch_problem(q, k, v, out, differential)) is not None:
         raise ValueError(problem)
-    paged = block_table is not None
     num_seqs = cu_seqlens_q.shape[0] - 1
     tiles = tiles or default_tiles(q, num_seqs, differential, paged)
-    _validate_tiles(tiles)
-    kv_name = "cu_seqlens_k" if block_table is None else "seq_lens"
-    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), (kv_name, kv_lens), ("block_table", block_table)):
-        if tensor is not None:
-            check_dtype(name, tensor, (torch.int32,))
+    _validate_tiles(tiles, q.shape[-1], differential)
     out = output_buffer(q, differential, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
