@@ -195,10 +195,14 @@ def covers_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, lambda_f
     dtype (no float8 cache) with a power-of-two ``block_size >= 16`` (one TMA box a block;
     16 to 256 run on the H200). Which calls are prefill-heavy enough to want it is the
     caller's choice."""
-    block_size = key_cache.shape[1]
-    return (key_cache.dim() == 4 and block_size >= 16 and block_size & (block_size - 1) == 0
+    return (key_cache.dim() == 4 and _block_size_taken(key_cache.shape[1])
             and covers(query, key_cache, value_cache, lambda_full, scale, window_left, softcap, alibi_slopes,
                        scale_softcap))
+
+
+def _block_size_taken(block_size: int) -> bool:
+    """A cache block the kernel reads as one TMA box: a power of two >= 16."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
 
 
 def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -337,7 +341,7 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, cau
     differential, paged = lambda_full is not None, block_table is not None
     if paged:
         check_paged_args(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, -1, window_right, 0.0, None)
-        if k.shape[1] < 16 or k.shape[1] & (k.shape[1] - 1):
+        if not _block_size_taken(k.shape[1]):
             raise ValueError(f"key_cache: block size must be a power of two >= 16, got {k.shape[1]}")
     else:
         check_varlen_args(q, k, v, cu_seqlens_q, kv_lens, lambda_full, -1, window_right, 0.0, None)
