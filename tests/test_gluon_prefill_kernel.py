@@ -329,6 +329,22 @@ def test_covers(monkeypatch):
             assert gluon_prefill.covers_paged(q, cache, cache, None, None, -1, 0.0, None, None) is expected
 
 
+def test_default_tiles_pass_the_tile_checks(monkeypatch):
+    """The tiles a launch takes when it names none (:func:`gluon_prefill.default_tiles`, claimed
+    or dealt, plain, paged or differential, at every head size) pass the checks that named
+    tiles must (``_validate_tiles``), which the ops' path (``gluon_prefill.launch``) skips."""
+    monkeypatch.setattr(gluon_prefill, "multiprocessor_count", lambda device: 132)
+    taken = set()
+    for head_size in gluon_prefill.HEAD_SIZES:
+        for tokens in (128, 1 << 20):
+            q = torch.empty(1, 8, head_size, dtype=torch.bfloat16).expand(tokens, 8, head_size)
+            for differential, paged in ((False, False), (False, True), (True, False), (True, True)):
+                tiles = gluon_prefill.default_tiles(q, 2, differential, paged)
+                gluon_prefill._validate_tiles(tiles, head_size, differential)
+                taken.add(tiles)
+    assert len(taken) >= 4  # plain claimed and dealt, paged, differential at each head size
+
+
 @pytest.mark.skipif(not gluon_prefill.gluon_available(), reason="this Triton has no Gluon warp specialization")
 def test_default_tiles_claim_when_work_is_few_waves(monkeypatch):
     """With no tiles named, a plain varlen launch of fewer than ``DYNAMIC_MAX_WAVES`` waves
@@ -386,10 +402,17 @@ def test_compiles_for_sm90():
         assert row["spill_stores"] <= 40 and row["spill_loads"] <= 48, row
 
 
-def _count_calls(monkeypatch, name: str) -> list:
-    """Record each call of ``gluon_prefill.<name>`` (the launchers route through the module)."""
-    calls, launcher = [], getattr(gluon_prefill, name)
-    monkeypatch.setattr(gluon_prefill, name, lambda *a, **kw: calls.append(a) or launcher(*a, **kw))
+def _count_calls(monkeypatch, kind: str) -> list:
+    """Record each launch of this kernel that the ops make (``gluon_prefill.launch``, reached
+    through its module) over contiguous K/V (``kind`` ``"varlen"``) or a paged cache
+    (``"paged"``: a ``block_table`` given)."""
+    calls, launch = [], gluon_prefill.launch
+
+    def record(*a):
+        if (a[5] is not None) == (kind == "paged"):
+            calls.append(a)
+        return launch(*a)
+    monkeypatch.setattr(gluon_prefill, "launch", record)
     return calls
 
 
@@ -403,7 +426,7 @@ def test_op_routes_prefill_here(monkeypatch):
     import compiled_attn.ops as ops
     from compiled_attn.ops.triton_kernels import attention
 
-    varlen_calls, paged_calls = _count_calls(monkeypatch, "varlen_prefill"), _count_calls(monkeypatch, "paged_prefill")
+    varlen_calls, paged_calls = _count_calls(monkeypatch, "varlen"), _count_calls(monkeypatch, "paged")
     batch = make_varlen_batch([300, 17], [300, 40], num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
                               seed=7)
     args = [t.cuda() for t in batch.attention_args()]
@@ -447,7 +470,7 @@ def test_compiled_call_stays_opaque(differential, monkeypatch):
     import compiled_attn.ops as ops
     from torch._inductor.utils import run_and_get_code
 
-    calls = _count_calls(monkeypatch, "varlen_prefill")
+    calls = _count_calls(monkeypatch, "varlen")
     batch = make_varlen_batch([200, 65], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, seed=10)
     q, k, v, cu_q, cu_k = (t.cuda() for t in batch.attention_args())
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -477,7 +500,7 @@ def test_paged_prefill_in_a_cuda_graph(differential, monkeypatch):
     (differential: its dynamic schedule's counter is zeroed inside the graph)."""
     import compiled_attn.ops as ops
 
-    calls = _count_calls(monkeypatch, "paged_prefill")
+    calls = _count_calls(monkeypatch, "paged")
     rounds = [[(200, 300), (0, 200), (17, 12)], [(1000, 500), (5, 1), pad(11)], [(0, 512), (64, 0), (300, 0)]]
     batches = [make_paged_batch(seqs, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, seed=20 + i,
                                 unused_fill="nan", extra_columns=80 - len(seqs)) for i, seqs in enumerate(rounds)]

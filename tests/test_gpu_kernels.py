@@ -134,13 +134,11 @@ def test_varlen_real_sizes(differential, route, monkeypatch):
 
 
 def count_gluon_calls(monkeypatch) -> list:
-    """Record each launch of the Gluon prefill kernel's varlen and paged launchers (the op's
-    route reaches them through their module)."""
+    """Record each launch of the Gluon prefill kernel by the ops (``gluon_prefill.launch``,
+    reached through its module), varlen and paged."""
     gluon_prefill = triton_kernels.attention.gluon_prefill
-    calls = []
-    for name in ("varlen_prefill", "paged_prefill"):
-        launcher = getattr(gluon_prefill, name)
-        monkeypatch.setattr(gluon_prefill, name, lambda *a, launcher=launcher, **kw: calls.append(a) or launcher(*a, **kw))
+    calls, launch = [], gluon_prefill.launch
+    monkeypatch.setattr(gluon_prefill, "launch", lambda *a: calls.append(a) or launch(*a))
     return calls
 
 

@@ -186,8 +186,8 @@ def paged_attention(
             and gluon_takes_paged(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
                                   scale, causal, window_left, window_right, softcap, alibi_slopes, scale_softcap)
             and gluon_prefill.launch_problem(query, key_cache, value_cache, out, lambda_full is not None) is None):
-        return gluon_prefill.paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                                           lambda_full, scale, causal, window_right, out=out)
+        return gluon_prefill.launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full,
+                                    scale, causal, window_right, out, None)
     if (PAGED_PREFILL_KERNEL == "hopper" and num_splits is None and tiles is None and query.is_cuda
             and paged_prefill_covers(query, key_cache, value_cache, seq_lens.shape[0], lambda_full, alibi_slopes)):
         return paged_prefill(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale,
@@ -207,14 +207,14 @@ def varlen_attention(
     """The ``compiled_attn::varlen_attention`` op on CUDA: attention over packed contiguous
     ``k``/``v`` ``[total_k, Hkv, D]``, as ``flash_attn_varlen_func``; plain or
     differential. Other arguments as :func:`paged_attention`. Calls :func:`gluon_takes_varlen`
-    takes go to :func:`.gluon_prefill.varlen_prefill`; then, with :data:`PREFILL_KERNEL`
+    takes go to :func:`.gluon_prefill.launch`; then, with :data:`PREFILL_KERNEL`
     ``"hopper"``, covered calls go to :func:`.prefill.varlen_prefill`."""
     if (num_splits is None and not tracing_launches()
             and gluon_takes_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                                    window_right, softcap, alibi_slopes, scale_softcap)
             and gluon_prefill.launch_problem(q, k, v, out, lambda_full is not None) is None):
-        return gluon_prefill.varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal,
-                                            window_right, out=out)
+        return gluon_prefill.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal,
+                                    window_right, out, None)
     if num_splits is None and prefill_kernel_takes(q, k, v, lambda_full, alibi_slopes):
         return varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full, scale, causal, window_left,
                               window_right, softcap, None, scale_softcap, out=out)

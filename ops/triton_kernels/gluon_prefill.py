@@ -1,6 +1,7 @@
 """Host side of the warp-specialized Gluon prefill kernel (:mod:`.gluon_prefill_kernel`):
-which calls it serves (:func:`covers`, :func:`covers_paged`) and its launchers
-(:func:`varlen_prefill`, :func:`paged_prefill`).
+which calls it serves (:func:`covers`, :func:`covers_paged`), its checked launchers
+(:func:`varlen_prefill`, :func:`paged_prefill`) and the unchecked :func:`launch` the ops call
+after their own checks.
 
 The kernel serves causal (or right-windowed) prefill of fp16/bf16 at head sizes 64 and 128
 on an NVIDIA sm90 GPU, plain or fused differential, contiguous K/V or a paged cache;
@@ -235,7 +236,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         TypeError: dtypes the op refuses (metadata not int32 included) or ``tiles`` not a
             :class:`GluonTiles`, before any launch.
     """
-    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
+    _check_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, window_right, out, tiles)
+    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
 
 def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
@@ -250,8 +252,9 @@ def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seql
     hold NaN there). Other arguments (``tiles``: :data:`PAGED_TILES` or
     :data:`DIFFERENTIAL_TILES` by default), the result and the errors as
     :func:`varlen_prefill`."""
-    return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale, causal,
-                   window_right, out, tiles)
+    args = (query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale)
+    _check_launch(*args, window_right, out, tiles)
+    return launch(*args, causal, window_right, out, tiles)
 
 
 @functools.cache
@@ -334,23 +337,37 @@ def _validate_tiles(tiles: GluonTiles, head_size: int, differential: bool) -> No
                          f"{' (differential)' if differential else ''}, over the {SHARED_MEMORY} a program has")
 
 
-def _launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
-            tiles) -> Tensor:
-    """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
-    ``None``, else paged caches; differential when ``lambda_full`` is given)."""
-    differential, paged = lambda_full is not None, block_table is not None
-    if paged:
+def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, window_right, out,
+                  tiles) -> None:
+    """The public launchers' checks (the errors of :func:`varlen_prefill`): what the ops
+    check (``validation.check_varlen_args`` / ``check_paged_args``, the scale), the cache
+    block size, :func:`launch_problem` and, when given, ``tiles`` (:func:`_validate_tiles`;
+    the default tiles are valid by construction)."""
+    if block_table is not None:
         check_paged_args(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, -1, window_right, 0.0, None)
         if not _block_size_taken(k.shape[1]):
             raise ValueError(f"key_cache: block size must be a power of two >= 16, got {k.shape[1]}")
     else:
         check_varlen_args(q, k, v, cu_seqlens_q, kv_lens, lambda_full, -1, window_right, 0.0, None)
     check_scalars(default_scale(scale, q.shape[-1]), 0.0)
-    if (problem := launch_problem(q, k, v, out, differential)) is not None:
+    if (problem := launch_problem(q, k, v, out, lambda_full is not None)) is not None:
         raise ValueError(problem)
+    if tiles is not None:
+        _validate_tiles(tiles, q.shape[-1], lambda_full is not None)
+
+
+def launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
+           tiles) -> Tensor:
+    """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
+    ``None``, else paged caches; differential when ``lambda_full`` is given); arguments as
+    :func:`varlen_prefill` / :func:`paged_prefill` (``kv_lens``: ``cu_seqlens_k`` or
+    ``seq_lens``). Unchecked: the public launchers run :func:`_check_launch` first, and the
+    ops (``attention.varlen_attention`` / ``paged_attention``) their own checks, then
+    :func:`covers` / :func:`covers_paged` and :func:`launch_problem`, so a call is checked
+    once."""
+    differential, paged = lambda_full is not None, block_table is not None
     num_seqs = cu_seqlens_q.shape[0] - 1
     tiles = tiles or default_tiles(q, num_seqs, differential, paged)
-    _validate_tiles(tiles, q.shape[-1], differential)
     out = output_buffer(q, differential, out)
     num_tokens, num_heads, head_size = q.shape
     if num_tokens == 0:
