@@ -13,9 +13,11 @@ the same inputs:
 * the public ``paged_attention`` (shape checks and value checks) against the raw op: with
   its metadata unchanged since the last check (the layers of one forward), with the metadata
   bumped every call (a value check each call; the anchor then bumps too), and with
-  ``COMPILED_ATTN_CHECK_VALUES=0``.
+  ``COMPILED_ATTN_CHECK_VALUES=0``;
+* (CUDA with flash-attn 4 installed) a raw ``varlen_attention`` call on the Gluon prefill
+  route (16 sequences of 128-1024 tokens) against flash-attn 4's ``flash_attn_varlen_func``.
 
-cProfile of raw ``paged_attention`` calls shows where the host time goes. bf16, Hq 32,
+cProfile of raw ``paged_attention`` calls (and of the Gluon route) shows where the host time goes. bf16, Hq 32,
 Hkv 8, D 128, block 16 on CUDA.
 
 ``--model`` adds the decode step of the ~1.1 B model of ``compiled-attn bench`` (forward to
@@ -225,10 +227,46 @@ def model_step_rows(device, dtype, batches=(1, 64), context: int = 512) -> list[
     return rows
 
 
-def profile_raw_call(device, dtype) -> str:
-    """cProfile of 2000 raw paged_attention calls (decode B=1 ctx 1k): top functions by own time."""
-    args = decode_inputs(1, 1024, device, dtype)
-    call = lambda: RAW.paged_attention.default(*args, None, D ** -0.5, True, -1, -1, 0.0, None, None)  # noqa: E731
+def gluon_prefill_call(device, dtype):
+    """A raw ``varlen_attention`` call the Gluon prefill kernel takes (16 causal sequences of
+    128-1024 tokens, as ``bench_kernels.short_varlen_batch``; inside
+    ``flash_backend.disabled()``), and flash-attn 4's ``flash_attn_varlen_func`` on the same
+    q/k/v (``None`` without it)."""
+    from compiled_attn.ops import flash_backend
+
+    lens = torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(sum(lens), HQ, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(sum(lens), HKV, D, generator=g).to(device, dtype) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def ours():
+        with flash_backend.disabled():
+            return RAW.varlen_attention.default(q, k, v, cu, cu, None, D ** -0.5, True, -1, -1, 0.0, None, None)
+    library = flash_backend.find_library()
+    theirs = None
+    if library is not None and library.name == "flash-attn 4":
+        theirs = lambda: library.varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)  # noqa: E731
+    return ours, theirs
+
+
+def gluon_prefill_rows(device, dtype) -> list[ResultRow]:
+    """Host time of a call on the Gluon prefill route against flash-attn 4's (CUDA with Gluon
+    and flash-attn 4 only)."""
+    from compiled_attn.ops.triton_kernels import attention
+
+    ours, theirs = gluon_prefill_call(device, dtype)
+    if theirs is None or not attention.GLUON_PREFILL:
+        return []
+    t = timed({"ours": ours, "fa4": theirs}, device)
+    return [ResultRow("varlen_attention raw, prefill 16 seqs 128-1024 (Gluon route)", "host us/call", t["ours"][0],
+                      "flash-attn 4 flash_attn_varlen_func", t["fa4"][0], "<= 1.0"),
+            ResultRow("varlen_attention raw, prefill 16 seqs 128-1024 (Gluon route)", "wall us/call", t["ours"][1],
+                      "flash-attn 4 flash_attn_varlen_func", t["fa4"][1], "<= 1.0")]
+
+
+def profile(call) -> str:
+    """cProfile of 2000 calls of ``call``: top functions by own time."""
     for _ in range(20):
         call()
     profiler = cProfile.Profile()
@@ -236,10 +274,17 @@ def profile_raw_call(device, dtype) -> str:
     for _ in range(2000):
         call()
     profiler.disable()
-    sync(device)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
     return out.getvalue()
+
+
+def profile_raw_call(device, dtype) -> str:
+    """cProfile of 2000 raw paged_attention calls (decode B=1 ctx 1k): top functions by own time."""
+    args = decode_inputs(1, 1024, device, dtype)
+    report = profile(lambda: RAW.paged_attention.default(*args, None, D ** -0.5, True, -1, -1, 0.0, None, None))
+    sync(device)
+    return report
 
 
 def main() -> None:
@@ -255,6 +300,10 @@ def main() -> None:
     if args.ops:
         rows += attention_rows(device, dtype) + linear_and_cache_rows(device, dtype) + public_rows(device, dtype)
         print(profile_raw_call(device, dtype))
+        if device.type == "cuda" and (gluon_rows := gluon_prefill_rows(device, dtype)):
+            rows += gluon_rows
+            print("Gluon prefill route:\n" + profile(gluon_prefill_call(device, dtype)[0]))
+            sync(device)
     if args.model:
         rows += model_step_rows(device, dtype)
     print(write_results(rows, args.results_dir, "host", f"Host time per op call ({device.type}, {dtype})"))
