@@ -72,7 +72,7 @@ block as long as its key tile whole, and NaN past ``seq_lens`` in a last block w
 the output). flash-attn 2 and 3 take no page table in their varlen function
 (``FlashLibrary.takes_page_table``): paged calls stay on ours with them. Paged prefill
 through flash-attn 4 took 0.545 ms against 1.170 ms on our kernel (8 chunks of 512 tokens
-after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms, 2026-12-01); our Gluon prefill
+after 4096 cached keys, block 16; flash-attn 4 alone 0.546 ms, 2026-11-30); our Gluon prefill
 kernel now takes them in 0.529 ms, and keeps the causal chunks of head size 128 of at most
 3072 tokens a sequence on average (:func:`gluon_faster_paged`, 2026-12-02 and 12-03).
 """
@@ -305,7 +305,15 @@ def gluon_faster(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqle
     0.523, B=8 S=4096 2.05 / 1.95 against 2.05 / 2.02, B=4 S=4096 1.02 / 0.98 against 1.04 /
     1.03, B=1 S=16384 3.60 / 3.46 against 3.78 / 3.62. Calls of 0.2-0.4 ms read noisier in
     that run (ours queued B=8 S=1024 0.220, B=32 S=512 0.304, against 0.197 and 0.233 in the
-    runs before; 16 sequences 0.268 against flash-attn 4's 0.411): left as they were."""
+    runs before; 16 sequences 0.268 against flash-attn 4's 0.411): left as they were.
+
+    A fourth (2026-12-03, 26th session, first thing on a fresh machine): B=8 S=3072 1.207 /
+    1.187 against 1.169 / 1.171 (inside the 3072 bound), B=8 S=2048 0.573 / 0.600 against
+    0.548 / 0.539, 64 sequences 6.59 / 6.63 against 6.37 / 6.63; B=8 S=4096 1.98 / 1.97
+    against 2.07 / 2.10. The small calls swung the other way again (16 sequences 0.318 /
+    0.329 against 0.394 / 0.432, B=32 S=512 0.254 / 0.258 against 0.238 / 0.192): they are
+    host-bound (``profiling/bench_host.py``: 242 us of host time a call on the Gluon route
+    against 120 us for flash-attn 4's), so their ratio follows the machine's host."""
     from .triton_kernels.attention import gluon_takes_varlen
 
     sequences = cu_seqlens_q.shape[0] - 1
@@ -324,7 +332,9 @@ def gluon_faster_paged(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu
     16 unless said, ms, ours against flash-attn 4): 8 chunks of 512 after 4096 cached keys
     0.540 against 0.549 (block 32: 0.523 against 0.545), one of 2048 after 8192 0.548 against
     0.556, 32 of 128 after 2048 0.283 against 0.304; 4 of 4096 with no prefix 1.095 against
-    1.065 (over the mean bound: flash-attn 4's)."""
+    1.065 (over the mean bound: flash-attn 4's). The fourth run (2026-12-03, queued): 4 chunks
+    of 3072 after 1024 (inside the 3072 bound) 0.963 against 1.025, the 8 of 512 0.524 against
+    0.554, 4 of 4096 with no prefix 1.077 against 1.066."""
     from .triton_kernels.attention import gluon_takes_paged
 
     return (_gluon_shaped(query, seq_lens.shape[0], causal, window_left, window_right)

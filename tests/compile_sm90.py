@@ -124,6 +124,7 @@ def gluon_launches() -> list[tuple[str, object, dict, dict]]:
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
     with mock.patch.object(gluon_prefill, "_run", record), \
+            mock.patch.object(gluon_prefill, "_on_sm90", lambda tensor: True), \
             mock.patch.object(gluon_prefill, "multiprocessor_count", lambda device: 132):
         for head_size in (64, 128):
             case[0] = f"contiguous d{head_size}"

@@ -309,6 +309,11 @@ def test_plain_batches_of_many_short_causal_sequences_stay_on_the_gluon_kernel(f
     monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", 1)  # over it
     assert flash_backend.covers(*call())
     monkeypatch.setattr(flash_backend, "GLUON_MAX_MEAN_QUERY", bound)
+    # the bound sits between measured rows (profiling/results/kernels.md, 2026-12-03): B=8 S=3072 ran
+    # faster on ours, B=8 S=4096 on flash-attn 4
+    for sequences, tokens, expected in ((8, 3072, True), (8, 4096, False)):
+        q = torch.empty(1, 1, 1, dtype=torch.bfloat16).expand(sequences * tokens, 32, 128)
+        assert flash_backend._gluon_shaped(q, sequences, True, -1, -1) is expected, (sequences, tokens)
     flash(3)  # measured against flash-attn 4 only: flash-attn 3 keeps the call
     assert flash_backend.covers(*call())
     calls = flash(4)

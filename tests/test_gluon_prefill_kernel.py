@@ -329,6 +329,24 @@ def test_covers(monkeypatch):
             assert gluon_prefill.covers_paged(q, cache, cache, None, None, -1, 0.0, None, None) is expected
 
 
+def test_paged_calls_of_a_query_tile_a_sequence_take_this_kernel(monkeypatch):
+    """``attention.gluon_takes_paged`` (shapes alone, the cache covered): a paged call of at
+    least one work tile of queries (128 rows) a sequence takes this kernel; fewer (a decode
+    step, a batch of mostly decode rows) stays on the unified kernel, as does every call
+    with ``GLUON_PREFILL`` off."""
+    from compiled_attn.ops.triton_kernels import attention
+
+    monkeypatch.setattr(gluon_prefill, "covers_paged", lambda *args: True)
+    cache, table = torch.empty(4, 16, 2, 128, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.int32)
+    lens, cu = torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for tokens, expected in ((384, True), (383, False), (3, False)):
+        q = torch.empty(tokens, 4, 128, dtype=torch.bfloat16)
+        assert attention.gluon_takes_paged(q, cache, cache, cu, lens, table) is expected, tokens
+    monkeypatch.setattr(attention, "GLUON_PREFILL", False)
+    assert not attention.gluon_takes_paged(torch.empty(384, 4, 128, dtype=torch.bfloat16), cache, cache, cu, lens,
+                                           table)
+
+
 def test_default_tiles_pass_the_tile_checks(monkeypatch):
     """The tiles a launch takes when it names none (:func:`gluon_prefill.default_tiles`, claimed
     or dealt, plain, paged or differential, at every head size) pass the checks that named
@@ -351,9 +369,11 @@ def test_default_tiles_claim_when_work_is_few_waves(monkeypatch):
     of work tiles (``Hq * (Tq // 128 + B)`` over 132 programs) claims its tiles (``DYNAMIC``),
     one of more is dealt round-robin; paged launches are dealt round-robin without early
     waits, differential ones take the differential tiles (dynamic); lazy rescaling in all
-    of them at D 128. The launches run on CPU tensors, recorded instead of made."""
+    of them at D 128. The launches run on CPU tensors (taken for an sm90 GPU's), recorded
+    instead of made."""
     launches = []
     monkeypatch.setattr(gluon_prefill, "_run", lambda grid, args, constexprs: launches.append(constexprs))
+    monkeypatch.setattr(gluon_prefill, "_on_sm90", lambda tensor: True)
     monkeypatch.setattr(gluon_prefill, "multiprocessor_count", lambda device: 132)
     kv = torch.randn(64, 2, 128).to(torch.bfloat16)
 
@@ -545,16 +565,21 @@ def test_paged_prefill_in_a_cuda_graph(differential, monkeypatch):
 
 def test_launch_problems_are_named(monkeypatch):
     """The launchers refuse what the kernel cannot read, or what the ops refuse, with a
-    ValueError (a dtype or type: a TypeError) naming the argument, and tiles it does not run
-    with a ValueError naming them, before any launch (CPU tensors: the checks run first; a
-    launch would fail the test)."""
+    ValueError (a dtype or type: a TypeError) naming the argument, tiles it does not run
+    with a ValueError naming them (their field types: a TypeError), tensors off an sm90 GPU
+    (here: CPU tensors, after every other check), and (the device taken for one) metadata
+    values the ops refuse, before any launch (a launch would fail the test)."""
     monkeypatch.setattr(gluon_prefill, "_run", lambda *args: pytest.fail("launched"))
     bf16 = dict(dtype=torch.bfloat16)
     q, kv = torch.zeros(8, 4, 128, **bf16), torch.zeros(8, 2, 128, **bf16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     assert gluon_prefill.launch_problem(q, kv, kv, None) is None
     for args, kwargs, error, match in (
-            ((q.float(), kv.float(), kv.float(), cu, cu), {}, ValueError, "float16 or bfloat16"),
+            ((q.float(), kv.float(), kv.float(), cu, cu), {}, TypeError, "q must be float16 or bfloat16"),
+            ((q, kv, kv, cu, cu), dict(causal=None), TypeError, "causal must be a bool, got NoneType"),
+            ((q, kv, kv, cu, cu), dict(window_right=2.5), TypeError, "window_size must be a pair of ints"),
+            ((q, kv, kv, cu, cu), dict(scale=torch.tensor(0.1)), TypeError, "scale must be a float or None"),
+            ((q, kv, kv, cu, cu), {}, ValueError, "q must be a CUDA tensor on an sm90 GPU"),
             ((q[..., :64].contiguous(), kv, kv, cu, cu), {}, ValueError, r"head_size of k \(128\) must equal q's"),
             ((torch.zeros(8, 4, 96, **bf16), torch.zeros(8, 2, 96, **bf16), torch.zeros(8, 2, 96, **bf16), cu, cu), {},
              ValueError, r"head size in \(64, 128\), got 96"),
@@ -569,7 +594,11 @@ def test_launch_problems_are_named(monkeypatch):
             ((q, kv, kv, cu, cu), dict(scale=-1.0), ValueError, "scale must be finite and > 0"),
             ((q, kv, kv, cu, cu.long()), {}, TypeError, r"cu_seqlens_k must have dtype in \(torch.int32\), got torch.int64"),
             ((q, kv, kv, [0, 8], cu), {}, TypeError, "cu_seqlens_q must be a torch.Tensor, got list"),
-            ((q, kv, kv, cu, cu), dict(tiles=(64, 128, 2)), TypeError, "tiles must be a GluonTiles, got tuple")):
+            ((q, kv, kv, cu, cu), dict(tiles=(64, 128, 2)), TypeError, "tiles must be a GluonTiles, got tuple"),
+            ((q, kv, kv, cu, cu), dict(tiles=gluon_prefill.TILES._replace(stages=1.5)), TypeError,
+             "stages must be ints"),
+            ((q, kv, kv, cu, cu), dict(tiles=gluon_prefill.TILES._replace(overlap=1)), TypeError,
+             "the schedules bools")):
         with pytest.raises(error, match=match):
             gluon_prefill.varlen_prefill(*args, **kwargs)
     for tiles, match in ((gluon_prefill.GluonTiles(early_waits=True), "early_waits need overlap=True"),
@@ -586,12 +615,28 @@ def test_launch_problems_are_named(monkeypatch):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, cu, torch.ones(2),
                                      tiles=gluon_prefill.DIFFERENTIAL_TILES[128]._replace(stages=4))
     cache, table = torch.zeros(2, 16, 2, 128, **bf16), torch.zeros(1, 2, dtype=torch.int32)
+    wide_cache = torch.zeros(2, 16, 4, 128, **bf16)
     lens = torch.tensor([8], dtype=torch.int32)
     for args, error, match in (((q, cache, cache, cu, lens.long(), table), TypeError,
                                 r"seq_lens must have dtype in \(torch.int32\), got torch.int64"),
                                ((q, cache, cache, cu, lens, table[0]), ValueError, "block_table must be 2-D"),
                                ((q, cache[0], cache[0], cu, lens, table), ValueError, "key_cache must be 4-D"),
                                ((q, torch.zeros(4, 8, 2, 128, **bf16), torch.zeros(4, 8, 2, 128, **bf16), cu, lens,
-                                 table), ValueError, "block size must be a power of two >= 16, got 8")):
+                                 table), ValueError, "block size must be a power of two >= 16, got 8"),
+                               ((q, wide_cache[:, :, ::2], wide_cache[:, :, ::2], cu, lens, table), ValueError,
+                                "key_cache must have dense heads"),
+                               ((q, cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn), cu, lens, table),
+                                TypeError, "key_cache must have query's dtype"),
+                               ((q, cache, cache, cu, lens, table), ValueError, "query must be a CUDA tensor")):
         with pytest.raises(error, match=match):
             gluon_prefill.paged_prefill(*args)
+    monkeypatch.setattr(gluon_prefill, "_on_sm90", lambda tensor: True)
+    for args, match in (((q, cache, cache, cu, torch.tensor([100], dtype=torch.int32), table),
+                         r"seq_lens\[0\]=100 is out of range \[0, 32\]"),
+                        ((q, cache, cache, cu, lens, torch.tensor([[5, 1]], dtype=torch.int32)),
+                         r"block_table\[0\] holds block ids \[5\] outside \[0, 2\)")):
+        with pytest.raises(ValueError, match=match):
+            gluon_prefill.paged_prefill(*args)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0, never decrease and end at the token "
+                                         r"count 8, got \[0, 7\]"):
+        gluon_prefill.varlen_prefill(q, kv, kv, torch.tensor([0, 7], dtype=torch.int32), cu)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from ..attention import default_scale, output_buffer
-from ..validation import check_paged_args, check_scalars, check_varlen_args
+from ..validation import check_call_options, check_paged_args, check_scalars, check_varlen_args
+from ..value_checks import check_paged_values, check_varlen_values, should_check
 from .launch_utils import device_guard, multiprocessor_count
 from .prefill import is_hopper
 
@@ -147,19 +148,24 @@ def _dense_rows(tensor: Tensor) -> bool:
     return (tensor.stride(-3) * tensor.element_size()) % 16 == 0
 
 
-def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differential: bool = False) -> str | None:
+def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differential: bool = False,
+                   names: tuple[str, str, str] = ("q", "k", "v")) -> str | None:
     """What keeps the kernel from reading these tensors, or ``None``: fp16/bf16 of one dtype,
     head size 64 or 128, even head counts when ``differential``, every tensor's heads and dims
     dense with 16-byte-aligned rows (:func:`_dense_rows`) and start address (TMA
     descriptors), ``out`` (if given) likewise. The launch-time check (addresses);
-    :func:`covers` checks the rest on shapes alone."""
+    :func:`covers` checks the rest on shapes alone. ``names``: how the message calls ``q``,
+    ``k`` and ``v`` (:func:`paged_prefill`'s ``query``, ``key_cache``, ``value_cache``)."""
+    nq, nk, nv = names
     if differential and (q.shape[-2] % 2 or k.shape[-2] % 2):
-        return f"differential heads come in pairs: q and k need even head counts, got {q.shape[-2]}, {k.shape[-2]}"
+        return (f"differential heads come in pairs: {nq} and {nk} need even head counts, got {q.shape[-2]}, "
+                f"{k.shape[-2]}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k and v must share float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        return f"{nq}, {nk} and {nv} must share float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[-1] not in HEAD_SIZES or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        return f"q, k and v must share a head size in {HEAD_SIZES}, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
+        return (f"{nq}, {nk} and {nv} must share a head size in {HEAD_SIZES}, got {q.shape[-1]}, {k.shape[-1]}, "
+                f"{v.shape[-1]}")
+    for name, tensor in ((nq, q), (nk, k), (nv, v), ("out", out)):
         if tensor is not None and not (_dense_rows(tensor) and tensor.data_ptr() % 16 == 0):
             return (f"{name} must have dense heads and dims and 16-byte-aligned rows and address (a TMA "
                     f"descriptor reads it), got strides {tensor.stride()} at address {tensor.data_ptr()}")
@@ -172,7 +178,7 @@ def _takes_options(q: Tensor, k: Tensor, lambda_full, alibi_slopes, scale, windo
     return (alibi_slopes is None and scale_softcap is None and softcap <= 0 and window_left < 0
             and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] in HEAD_SIZES and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
-            and q.is_cuda and is_hopper(q.get_device()) and gluon_available())
+            and _on_sm90(q))
 
 
 def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: float | None, window_left: int,
@@ -210,33 +216,42 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
                    lambda_full: Tensor | None = None, scale: float | None = None, causal: bool = True,
                    window_right: int = -1, *, out: Tensor | None = None, tiles: GluonTiles | None = None) -> Tensor:
     """``flash_attn_varlen_func`` semantics (bottom-right causal or a right window), plain or
-    fused differential, through :func:`.gluon_prefill_kernel.gluon_prefill_kernel`.
+    fused differential, through :func:`.gluon_prefill_kernel.gluon_prefill_kernel`
+    (FlashAttention-3's forward, Shah et al. 2024, arXiv 2407.08608; differential attention
+    ``softmax(q1 k1) v - lambda softmax(q2 k2) v`` per head pair, Ye et al. 2024, arXiv
+    2410.05258, eq. 1, without the op's ``subln`` norm, as ``ops.varlen_attention``).
 
     Args:
-        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16, D 64 or 128, :func:`covers`;
-            differential: heads ``2j``, ``2j + 1`` are pair ``j``).
-        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32.
-        lambda_full: ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
-        scale: softmax scale, default ``D ** -0.5``; causal, window_right: visibility.
+        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]``: fp16/bf16 CUDA tensors on an sm90 GPU
+            (H100/H200; a Triton with Gluon), D 64 or 128 (:func:`covers`; differential:
+            heads ``2j``, ``2j + 1`` are pair ``j``).
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, well formed (checked as the op does,
+            eagerly, unless ``COMPILED_ATTN_CHECK_VALUES=0``).
+        lambda_full: float32 ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
+        scale: softmax scale (a float), default ``D ** -0.5``.
+        causal: bottom-right aligned causal mask (``window_right`` is then ignored, as
+            flash-attn's causal sets the right window to 0); otherwise ``window_right`` keys
+            past the diagonal (-1: all).
         out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer, q's dtype,
             heads and dims dense, its token stride and address 16-byte aligned (a TMA store
             writes it).
         tiles: default :func:`default_tiles`.
 
     Returns:
-        ``out``. The metadata must follow the op's contract (``cu_seqlens_q[-1] == Tq``,
-        checked by the public functions, not here); query tokens past ``cu_seqlens_q[-1]``
-        would be left unwritten.
+        ``out``.
 
     Raises:
         ValueError: shapes the op refuses (``validation.check_varlen_args``, and
-            ``check_paged_args`` for :func:`paged_prefill`), a scale not finite and > 0,
-            tensors the kernel cannot read (:func:`launch_problem`) or tiles it does not run
-            (:func:`_validate_tiles`), before any launch.
-        TypeError: dtypes the op refuses (metadata not int32 included) or ``tiles`` not a
-            :class:`GluonTiles`, before any launch.
+            ``check_paged_args`` for :func:`paged_prefill`), malformed metadata (as the
+            op: ``value_checks``), a scale not finite and > 0, tensors not on an sm90 CUDA
+            GPU, tensors the kernel cannot read (:func:`launch_problem`) or tiles it does
+            not run (:func:`_validate_tiles`), before any launch.
+        TypeError: dtypes (q not fp16/bf16, k and v or the caches not q's, metadata not
+            int32), ``causal`` not a bool, ``window_right`` not an int, ``scale`` not a float
+            or None, ``tiles`` not a :class:`GluonTiles` or its fields not ints and bools,
+            before any launch.
     """
-    _check_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, window_right, out, tiles)
+    _check_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
 
 
@@ -249,11 +264,12 @@ def paged_prefill(query: Tensor, key_cache: Tensor, value_cache: Tensor, cu_seql
     16: :func:`covers_paged`) through ``block_table`` ``[B, max_blocks]`` int32,
     ``seq_lens[b]`` (int32 ``[B]``) keys of sequence ``b``, its new tokens included, causal
     bottom-right aligned; no slot past ``seq_lens[b]`` is read into the result (a cache may
-    hold NaN there). Other arguments (``tiles``: :data:`PAGED_TILES` or
+    hold NaN there; ``seq_lens`` and the block ids a sequence reads are checked as the op
+    checks them). Other arguments (``tiles``: :data:`PAGED_TILES` or
     :data:`DIFFERENTIAL_TILES` by default), the result and the errors as
     :func:`varlen_prefill`."""
     args = (query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, lambda_full, scale)
-    _check_launch(*args, window_right, out, tiles)
+    _check_launch(*args, causal, window_right, out, tiles)
     return launch(*args, causal, window_right, out, tiles)
 
 
@@ -317,15 +333,18 @@ def _shared_bytes(tiles: GluonTiles, head_size: int, differential: bool) -> int:
 
 
 def _validate_tiles(tiles: GluonTiles, head_size: int, differential: bool) -> None:
-    """Tiles the kernel runs: a :class:`GluonTiles` (else TypeError) of ``block_m`` 64 (one
-    wgmma's rows a consumer warpgroup, two a thread: lazy rescaling's per-warp decision),
-    ``block_n`` 64 or 128, at least one stage, within :data:`SHARED_MEMORY`
+    """Tiles the kernel runs: a :class:`GluonTiles` of ints and bools (else TypeError) with
+    ``block_m`` 64 (one wgmma's rows a consumer warpgroup, two a thread: lazy rescaling's
+    per-warp decision), ``block_n`` 64 or 128, at least one stage, within :data:`SHARED_MEMORY`
     (:func:`_shared_bytes`); ``values_first`` and ``early_waits`` are orders of
     ``overlap``'s step (without it the kernel would ignore them), and ``early_waits`` needs
     two key/value buffers (with one, a step would wait for keys whose buffer it has not
     released). Raises ValueError otherwise."""
     if not isinstance(tiles, GluonTiles):
         raise TypeError(f"tiles must be a GluonTiles, got {type(tiles).__name__}")
+    sizes, schedules = tiles[:3], tiles[3:]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in sizes) or any(type(x) is not bool for x in schedules):
+        raise TypeError(f"tiles: block_m, block_n and stages must be ints and the schedules bools, got {tiles}")
     if tiles.block_m != 64 or tiles.block_n not in (64, 128) or tiles.stages < 1:
         raise ValueError(f"tiles: block_m must be 64, block_n 64 or 128 and stages at least 1, got {tiles}")
     if (tiles.values_first or tiles.early_waits) and not tiles.overlap:
@@ -337,23 +356,46 @@ def _validate_tiles(tiles: GluonTiles, head_size: int, differential: bool) -> No
                          f"{' (differential)' if differential else ''}, over the {SHARED_MEMORY} a program has")
 
 
-def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, window_right, out,
+def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
                   tiles) -> None:
     """The public launchers' checks (the errors of :func:`varlen_prefill`): what the ops
-    check (``validation.check_varlen_args`` / ``check_paged_args``, the scale), the cache
-    block size, :func:`launch_problem` and, when given, ``tiles`` (:func:`_validate_tiles`;
-    the default tiles are valid by construction)."""
-    if block_table is not None:
+    check (option types, ``validation.check_varlen_args`` / ``check_paged_args``, the
+    scale), the dtypes and cache block sizes the kernel reads, :func:`launch_problem`, when
+    given ``tiles`` (:func:`_validate_tiles`; the default tiles are valid by construction),
+    the device (:func:`_on_sm90`), then the metadata values as the ops check them (a copy to
+    the host, skipped for metadata checked before and unchanged since)."""
+    paged = block_table is not None
+    names = ("query", "key_cache", "value_cache") if paged else ("q", "k", "v")
+    check_call_options(scale, (-1, window_right), 0.0, causal)
+    if paged:
         check_paged_args(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, -1, window_right, 0.0, None)
         if not _block_size_taken(k.shape[1]):
             raise ValueError(f"key_cache: block size must be a power of two >= 16, got {k.shape[1]}")
     else:
         check_varlen_args(q, k, v, cu_seqlens_q, kv_lens, lambda_full, -1, window_right, 0.0, None)
     check_scalars(default_scale(scale, q.shape[-1]), 0.0)
-    if (problem := launch_problem(q, k, v, out, lambda_full is not None)) is not None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{names[0]} must be float16 or bfloat16 (wgmma operands), got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{names[1]} must have {names[0]}'s dtype {q.dtype}, got {k.dtype}")
+    if (problem := launch_problem(q, k, v, out, lambda_full is not None, names)) is not None:
         raise ValueError(problem)
     if tiles is not None:
         _validate_tiles(tiles, q.shape[-1], lambda_full is not None)
+    if not _on_sm90(q):
+        raise ValueError(f"{names[0]} must be a CUDA tensor on an sm90 GPU (H100/H200) with a Triton that has "
+                         f"Gluon, got a tensor on {q.device}")
+    if should_check(q):
+        if paged:
+            check_paged_values(q, k, cu_seqlens_q, kv_lens, block_table)
+        else:
+            check_varlen_values(q, k, cu_seqlens_q, kv_lens)
+
+
+def _on_sm90(tensor: Tensor) -> bool:
+    """Whether ``tensor`` lives on an sm90 CUDA GPU and this Triton has Gluon (where the
+    kernel runs)."""
+    return tensor.is_cuda and is_hopper(tensor.get_device()) and gluon_available()
 
 
 def launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, causal, window_right, out,
