@@ -85,12 +85,13 @@ def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return np.split(host, np.cumsum([t.numel() for t in flat])[:-1])
 
 
-def _check_cu_seqlens(name: str, cu: np.ndarray, total: int) -> np.ndarray:
-    """Per-sequence lengths of a valid ``cu_seqlens``; raises otherwise."""
+def _check_cu_seqlens(name: str, cu: np.ndarray, total: int, at_most: bool = False) -> np.ndarray:
+    """Per-sequence lengths of a valid ``cu_seqlens`` (ending at ``total``, or at most there
+    when ``at_most``); raises otherwise."""
     lengths = np.diff(cu)
-    if cu[0] != 0 or cu[-1] != total or (lengths < 0).any():
+    if cu[0] != 0 or (cu[-1] > total if at_most else cu[-1] != total) or (lengths < 0).any():
         raise ValueError(
-            f"{name} must start at 0, never decrease and end at the token count {total}, "
+            f"{name} must start at 0, never decrease and end at {'or below ' * at_most}the token count {total}, "
             f"got {cu[:16].tolist()}{' ...' if cu.size > 16 else ''}"
         )
     return lengths
@@ -129,18 +130,20 @@ def check_paged_values(query: torch.Tensor, key_cache: torch.Tensor, cu_seqlens_
 
 
 def check_varlen_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor) -> None:
-    """Both ``cu_seqlens`` start at 0, never decrease and end at the token counts.
+                        cu_seqlens_k: torch.Tensor, keys_past_end: bool = False) -> None:
+    """Both ``cu_seqlens`` start at 0, never decrease and end at the token counts
+    (``keys_past_end``: ``cu_seqlens_k`` at or below ``k``'s, rows past it never read, as
+    the Gluon launcher allows).
 
     Raises:
         ValueError: naming the malformed ``cu_seqlens``.
     """
-    tensors, sizes = (cu_seqlens_q, cu_seqlens_k), (q.shape[0], k.shape[0])
+    tensors, sizes = (cu_seqlens_q, cu_seqlens_k), (q.shape[0], k.shape[0], keys_past_end)
     if _VARLEN.same(tensors, sizes):
         return
     cu_q, cu_k = _to_host(*tensors)
     _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0])
-    _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0])
+    _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], at_most=keys_past_end)
     _VARLEN.remember(tensors, sizes)
 
 

@@ -640,3 +640,10 @@ def test_launch_problems_are_named(monkeypatch):
     with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0, never decrease and end at the token "
                                          r"count 8, got \[0, 7\]"):
         gluon_prefill.varlen_prefill(q, kv, kv, torch.tensor([0, 7], dtype=torch.int32), cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, never decrease and end at or below the "
+                                         r"token count 8, got \[0, 9\]"):
+        gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 9], dtype=torch.int32))
+    launched = []  # keys past the last sequence's (never read) are allowed, as flash-attn allows them
+    monkeypatch.setattr(gluon_prefill, "_run", lambda *args: launched.append(args))
+    gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 7], dtype=torch.int32))
+    assert len(launched) == 1

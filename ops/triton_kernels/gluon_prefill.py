@@ -226,7 +226,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
             (H100/H200; a Triton with Gluon), D 64 or 128 (:func:`covers`; differential:
             heads ``2j``, ``2j + 1`` are pair ``j``).
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, well formed (checked as the op does,
-            eagerly, unless ``COMPILED_ATTN_CHECK_VALUES=0``).
+            eagerly, unless ``COMPILED_ATTN_CHECK_VALUES=0``; unlike the op, ``k`` and ``v``
+            may hold rows past ``cu_seqlens_k[-1]``, never read).
         lambda_full: float32 ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
         scale: softmax scale (a float), default ``D ** -0.5``.
         causal: bottom-right aligned causal mask (``window_right`` is then ignored, as
@@ -389,7 +390,7 @@ def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scal
         if paged:
             check_paged_values(q, k, cu_seqlens_q, kv_lens, block_table)
         else:
-            check_varlen_values(q, k, cu_seqlens_q, kv_lens)
+            check_varlen_values(q, k, cu_seqlens_q, kv_lens, keys_past_end=True)
 
 
 def _on_sm90(tensor: Tensor) -> bool:
