@@ -228,7 +228,8 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, well formed (checked as the op does,
             eagerly, unless ``COMPILED_ATTN_CHECK_VALUES=0``; unlike the op, ``k`` and ``v``
             may hold rows past ``cu_seqlens_k[-1]``, never read).
-        lambda_full: float32 ``[]`` or ``[Hq / 2]``: differential; ``None``: plain.
+        lambda_full: float ``[]`` or ``[Hq / 2]`` (fp16, bf16 or fp32; read as fp32): differential;
+            ``None``: plain.
         scale: softmax scale (a float), default ``D ** -0.5``.
         causal: bottom-right aligned causal mask (``window_right`` is then ignored, as
             flash-attn's causal sets the right window to 0); otherwise ``window_right`` keys
