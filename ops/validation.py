@@ -28,11 +28,16 @@ MAX_HEAD_SIZE = 256
 
 
 def check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_tensor(name, tensor)
     if tensor.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
         raise TypeError(f"{name} must have dtype in ({names}), got {tensor.dtype}")
+
+
+def check_tensor(name: str, value) -> None:
+    """``value`` is a tensor (raises TypeError naming ``name`` otherwise)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
@@ -165,6 +170,7 @@ def check_kv_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     check_dtype("key_cache", key_cache, CACHE_DTYPES)
     check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    check_tensor("value_cache", value_cache)
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(
             f"value_cache must match key_cache, got {tuple(value_cache.shape)} {value_cache.dtype} "
@@ -216,7 +222,9 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
     """Shape and dtype checks of varlen attention over contiguous k/v."""
     check_dtype("q", q, FLOAT_DTYPES)
     check_ndim("q", q, 3, "[total_q, num_heads, head_size]")
+    check_tensor("k", k)
     check_ndim("k", k, 3, "[total_k, num_kv_heads, head_size]")
+    check_tensor("v", v)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if v.shape != k.shape:
@@ -228,6 +236,8 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, lambda_full,
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_dtype(name, cu, (torch.int32,))
         check_ndim(name, cu, 1, "[num_seqs + 1]")
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must have num_seqs + 1 >= 1 entries (a leading 0), got shape {tuple(cu.shape)}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "

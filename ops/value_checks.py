@@ -120,7 +120,7 @@ def check_paged_values(query: torch.Tensor, key_cache: torch.Tensor, cu_seqlens_
         raise ValueError(f"seq_lens[{b}]={lens[b]} is out of range [0, {max_len}] "
                          f"(block_table width {width} x block_size {block_size})")
     used = np.arange(width) < cdiv(lens, block_size)[:, None]
-    table = table.reshape(-1, width)
+    table = table.reshape(lens.shape[0], width)
     bad_rows = np.flatnonzero((used & ((table < 0) | (table >= num_blocks))).any(axis=1))
     if bad_rows.size:
         b = bad_rows[0]

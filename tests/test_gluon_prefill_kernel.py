@@ -324,6 +324,16 @@ def test_covers(monkeypatch):
         assert not gluon_prefill.covers(q, odd_rows, kv, None, None, -1, 0.0, None, None)  # rows not 16-byte apart
         _, v64 = tensors(size=64)
         assert not gluon_prefill.covers(q, kv, v64, None, None, -1, 0.0, None, None)  # v's head size
+        assert not gluon_prefill.covers(q, kv, odd_rows, None, None, -1, 0.0, None, None)  # v's rows
+        _, v16 = tensors(dtype=torch.float16)
+        assert not gluon_prefill.covers(q, kv, v16, None, None, -1, 0.0, None, None)  # v's dtype
+        q6, kv4 = tensors(heads=6, kv_heads=4)
+        assert not gluon_prefill.covers(q6, kv4, kv4, None, None, -1, 0.0, None, None)  # no whole GQA groups
+        broadcast = torch.empty_strided((8, 2, 128), (0, 128, 1), dtype=torch.bfloat16, device="cuda")
+        assert not gluon_prefill.covers(q, broadcast, kv, None, None, -1, 0.0, None, None)  # rows overlap
+        half_blocks = torch.empty_strided((2, 16, 2, 128), (32 * 256, 256, 128, 1), dtype=torch.bfloat16,
+                                          device="cuda")  # the first 16 rows of blocks of 32
+        assert not gluon_prefill.covers_paged(q, half_blocks, half_blocks, None, None, -1, 0.0, None, None)
         for block_size, expected in ((8, False), (16, True), (48, False), (256, True)):
             cache = torch.empty(32, block_size, 2, 128, dtype=torch.bfloat16, device="cuda")
             assert gluon_prefill.covers_paged(q, cache, cache, None, None, -1, 0.0, None, None) is expected
@@ -333,7 +343,7 @@ def test_paged_calls_of_a_query_tile_a_sequence_take_this_kernel(monkeypatch):
     """``attention.gluon_takes_paged`` (shapes alone, the cache covered): a paged call of at
     least one work tile of queries (128 rows) a sequence takes this kernel; fewer (a decode
     step, a batch of mostly decode rows) stays on the unified kernel, as does every call
-    with ``GLUON_PREFILL`` off."""
+    with ``GLUON_PREFILL`` off and a differential one with ``GLUON_DIFFERENTIAL`` off."""
     from compiled_attn.ops.triton_kernels import attention
 
     monkeypatch.setattr(gluon_prefill, "covers_paged", lambda *args: True)
@@ -342,9 +352,13 @@ def test_paged_calls_of_a_query_tile_a_sequence_take_this_kernel(monkeypatch):
     for tokens, expected in ((384, True), (383, False), (3, False)):
         q = torch.empty(tokens, 4, 128, dtype=torch.bfloat16)
         assert attention.gluon_takes_paged(q, cache, cache, cu, lens, table) is expected, tokens
+    q = torch.empty(384, 4, 128, dtype=torch.bfloat16)
+    assert attention.gluon_takes_paged(q, cache, cache, cu, lens, table, torch.ones(2))
+    monkeypatch.setattr(attention, "GLUON_DIFFERENTIAL", False)
+    assert attention.gluon_takes_paged(q, cache, cache, cu, lens, table)
+    assert not attention.gluon_takes_paged(q, cache, cache, cu, lens, table, torch.ones(2))
     monkeypatch.setattr(attention, "GLUON_PREFILL", False)
-    assert not attention.gluon_takes_paged(torch.empty(384, 4, 128, dtype=torch.bfloat16), cache, cache, cu, lens,
-                                           table)
+    assert not attention.gluon_takes_paged(q, cache, cache, cu, lens, table)
 
 
 def test_default_tiles_pass_the_tile_checks(monkeypatch):
@@ -577,7 +591,22 @@ def test_launch_problems_are_named(monkeypatch):
     for args, kwargs, error, match in (
             ((q.float(), kv.float(), kv.float(), cu, cu), {}, TypeError, "q must be float16 or bfloat16"),
             ((q, kv, kv, cu, cu), dict(causal=None), TypeError, "causal must be a bool, got NoneType"),
-            ((q, kv, kv, cu, cu), dict(window_right=2.5), TypeError, "window_size must be a pair of ints"),
+            ((q, kv, kv, cu, cu), dict(window_right=2.5), TypeError, "window_right must be an int, got float"),
+            ((q, kv, kv, cu, cu), dict(window_right=-2), ValueError, "window_right must be >= 0 or -1"),
+            ((q, "k", kv, cu, cu), {}, TypeError, "k must be a torch.Tensor, got str"),
+            ((q, kv, None, cu, cu), {}, TypeError, "v must be a torch.Tensor, got NoneType"),
+            ((q, kv, kv, cu[:0], cu[:0]), {}, ValueError, r"cu_seqlens_q must have num_seqs \+ 1 >= 1 entries"),
+            ((q, kv, kv, cu, cu), dict(out=[1]), TypeError, "out must be a torch.Tensor, got list"),
+            ((q, kv, kv, cu, cu), dict(out=torch.zeros(8, 512, **bf16)), ValueError, r"out must be \(8, 4, 128\)"),
+            ((q, kv, kv, cu, cu), dict(out=torch.zeros(8, 4, 128)), ValueError, r"torch.bfloat16 with a contiguous"),
+            ((q, kv, kv, cu, cu), dict(out=torch.zeros(8, 4, 128, device="meta", **bf16)), ValueError,
+             "all tensors must be on one device, got q on cpu, out on meta"),
+            ((q, kv, kv, cu, cu), dict(out=torch.zeros(1, 4, 128, **bf16).expand(8, 4, 128)), ValueError,
+             "out must have dense heads and dims"),
+            ((q, torch.zeros(1, 2, 128, **bf16).expand(8, 2, 128), kv, cu, cu), {}, ValueError,
+             "k must have dense heads and dims"),
+            ((torch.zeros(8 * 512 + 1, **bf16)[1:].view(8, 4, 128), kv, kv, cu, cu), {}, ValueError,
+             r"q must have dense heads and dims and 16-byte-aligned rows and address"),
             ((q, kv, kv, cu, cu), dict(scale=torch.tensor(0.1)), TypeError, "scale must be a float or None"),
             ((q, kv, kv, cu, cu), {}, ValueError, "q must be a CUDA tensor on an sm90 GPU"),
             ((q[..., :64].contiguous(), kv, kv, cu, cu), {}, ValueError, r"head_size of k \(128\) must equal q's"),
@@ -631,6 +660,11 @@ def test_launch_problems_are_named(monkeypatch):
         with pytest.raises(error, match=match):
             gluon_prefill.paged_prefill(*args)
     monkeypatch.setattr(gluon_prefill, "_on_sm90", lambda tensor: True)
+    launched = []
+    monkeypatch.setattr(gluon_prefill, "_run", lambda *args: launched.append(args))
+    empty_table = torch.zeros(1, 0, dtype=torch.int32)  # a batch whose one sequence has no key yet
+    gluon_prefill.paged_prefill(q[:0], cache, cache, torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                empty_table)
     for args, match in (((q, cache, cache, cu, torch.tensor([100], dtype=torch.int32), table),
                          r"seq_lens\[0\]=100 is out of range \[0, 32\]"),
                         ((q, cache, cache, cu, lens, torch.tensor([[5, 1]], dtype=torch.int32)),
@@ -643,7 +677,6 @@ def test_launch_problems_are_named(monkeypatch):
     with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, never decrease and end at or below the "
                                          r"token count 8, got \[0, 9\]"):
         gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 9], dtype=torch.int32))
-    launched = []  # keys past the last sequence's (never read) are allowed, as flash-attn allows them
-    monkeypatch.setattr(gluon_prefill, "_run", lambda *args: launched.append(args))
+    # keys past the last sequence's (never read) are allowed, as flash-attn allows them
     gluon_prefill.varlen_prefill(q, kv, kv, cu, torch.tensor([0, 7], dtype=torch.int32))
-    assert len(launched) == 1
+    assert len(launched) == 1  # (no query token: the empty paged batch returned before launching)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from ..attention import default_scale, output_buffer
-from ..validation import check_call_options, check_paged_args, check_scalars, check_varlen_args
+from ..validation import (check_call_options, check_paged_args, check_same_device, check_scalars, check_tensor,
+                          check_varlen_args)
 from ..value_checks import check_paged_values, check_varlen_values, should_check
 from .launch_utils import device_guard, multiprocessor_count
 from .prefill import is_hopper
@@ -137,10 +138,11 @@ def gluon_available() -> bool:
 def _dense_rows(tensor: Tensor) -> bool:
     """Whether ``tensor``'s last two dims ``[H, D]`` are dense and its rows (every dim
     before them) one 16-byte multiple apart: what a TMA descriptor over its ``[rows, H * D]``
-    view reads (from a 16-byte-aligned start: :func:`launch_problem`). Strides only (fake
-    tensors too)."""
+    view reads (from a 16-byte-aligned start: :func:`launch_problem`), and no closer than a
+    row's ``H * D`` elements (a broadcast or overlapping view is neither a TMA descriptor's
+    nor a store's). Strides only (fake tensors too)."""
     size = tensor.shape[-1]
-    if tensor.stride(-1) != 1 or tensor.stride(-2) != size:
+    if tensor.stride(-1) != 1 or tensor.stride(-2) != size or tensor.stride(-3) < tensor.shape[-2] * size:
         return False
     for dim in range(tensor.dim() - 4, -1, -1):  # a cache's blocks: rows of blocks too
         if tensor.stride(dim) != tensor.shape[dim + 1] * tensor.stride(dim + 1):
@@ -177,7 +179,8 @@ def _takes_options(q: Tensor, k: Tensor, lambda_full, alibi_slopes, scale, windo
     differential = lambda_full is not None
     return (alibi_slopes is None and scale_softcap is None and softcap <= 0 and window_left < 0
             and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in HEAD_SIZES and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
+            and q.shape[-1] in HEAD_SIZES and q.shape[-2] % k.shape[-2] == 0
+            and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
             and _on_sm90(q))
 
 
@@ -225,18 +228,19 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]``: fp16/bf16 CUDA tensors on an sm90 GPU
             (H100/H200; a Triton with Gluon), D 64 or 128 (:func:`covers`; differential:
             heads ``2j``, ``2j + 1`` are pair ``j``).
-        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, well formed (checked as the op does,
-            eagerly, unless ``COMPILED_ATTN_CHECK_VALUES=0``; unlike the op, ``k`` and ``v``
-            may hold rows past ``cu_seqlens_k[-1]``, never read).
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, well formed (checked as the op does:
+            eagerly, not while tracing or capturing a CUDA graph, nor with
+            ``COMPILED_ATTN_CHECK_VALUES=0``; unlike the op, ``k`` and ``v`` may hold rows
+            past ``cu_seqlens_k[-1]``, never read).
         lambda_full: float ``[]`` or ``[Hq / 2]`` (fp16, bf16 or fp32; read as fp32): differential;
             ``None``: plain.
         scale: softmax scale (a float), default ``D ** -0.5``.
         causal: bottom-right aligned causal mask (``window_right`` is then ignored, as
             flash-attn's causal sets the right window to 0); otherwise ``window_right`` keys
             past the diagonal (-1: all).
-        out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer, q's dtype,
-            heads and dims dense, its token stride and address 16-byte aligned (a TMA store
-            writes it).
+        out: optional ``[Tq, Hq, D]`` (differential ``[Tq, Hq / 2, 2D]``) buffer on q's
+            device, q's dtype, heads and dims dense, its token stride at least a row and
+            16-byte aligned, its address too (a TMA store writes it).
         tiles: default :func:`default_tiles`.
 
     Returns:
@@ -245,13 +249,15 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
     Raises:
         ValueError: shapes the op refuses (``validation.check_varlen_args``, and
             ``check_paged_args`` for :func:`paged_prefill`), malformed metadata (as the
-            op: ``value_checks``), a scale not finite and > 0, tensors not on an sm90 CUDA
-            GPU, tensors the kernel cannot read (:func:`launch_problem`) or tiles it does
-            not run (:func:`_validate_tiles`), before any launch.
-        TypeError: dtypes (q not fp16/bf16, k and v or the caches not q's, metadata not
-            int32), ``causal`` not a bool, ``window_right`` not an int, ``scale`` not a float
-            or None, ``tiles`` not a :class:`GluonTiles` or its fields not ints and bools,
+            op: ``value_checks``), a scale not finite and > 0, ``window_right`` below -1,
+            tensors on different devices or ``q`` not on an sm90 CUDA GPU, an ``out`` of
+            another shape or dtype, tensors the kernel cannot read or write
+            (:func:`launch_problem`) or tiles it does not run (:func:`_validate_tiles`),
             before any launch.
+        TypeError: tensors that are not tensors, dtypes (q not fp16/bf16, k and v or the
+            caches not q's, metadata not int32), ``causal`` not a bool, ``window_right`` not
+            an int, ``scale`` not a float or None, ``tiles`` not a :class:`GluonTiles` or its
+            fields not ints and bools, before any launch.
     """
     _check_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, None, lambda_full, scale, causal, window_right, out, tiles)
@@ -362,13 +368,19 @@ def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scal
                   tiles) -> None:
     """The public launchers' checks (the errors of :func:`varlen_prefill`): what the ops
     check (option types, ``validation.check_varlen_args`` / ``check_paged_args``, the
-    scale), the dtypes and cache block sizes the kernel reads, :func:`launch_problem`, when
+    scale), the dtypes and cache block sizes the kernel reads, ``out`` (a tensor on
+    ``q``'s device, its shape, dtype and last dim: ``attention.output_buffer``),
+    :func:`launch_problem`, when
     given ``tiles`` (:func:`_validate_tiles`; the default tiles are valid by construction),
     the device (:func:`_on_sm90`), then the metadata values as the ops check them (a copy to
     the host, skipped for metadata checked before and unchanged since)."""
-    paged = block_table is not None
+    paged, differential = block_table is not None, lambda_full is not None
     names = ("query", "key_cache", "value_cache") if paged else ("q", "k", "v")
-    check_call_options(scale, (-1, window_right), 0.0, causal)
+    check_call_options(scale, (-1, -1), 0.0, causal)
+    if isinstance(window_right, bool) or not isinstance(window_right, int):
+        raise TypeError(f"window_right must be an int, got {type(window_right).__name__} {window_right!r}")
+    if window_right < -1:
+        raise ValueError(f"window_right must be >= 0 or -1 (unbounded), got {window_right}")
     if paged:
         check_paged_args(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, -1, window_right, 0.0, None)
         if not _block_size_taken(k.shape[1]):
@@ -380,10 +392,14 @@ def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scal
         raise TypeError(f"{names[0]} must be float16 or bfloat16 (wgmma operands), got {q.dtype}")
     if k.dtype != q.dtype:
         raise TypeError(f"{names[1]} must have {names[0]}'s dtype {q.dtype}, got {k.dtype}")
-    if (problem := launch_problem(q, k, v, out, lambda_full is not None, names)) is not None:
+    if out is not None:
+        check_tensor("out", out)
+        check_same_device(**{names[0]: q, "out": out})
+        output_buffer(q, differential, out)  # its shape, dtype and last dim
+    if (problem := launch_problem(q, k, v, out, differential, names)) is not None:
         raise ValueError(problem)
     if tiles is not None:
-        _validate_tiles(tiles, q.shape[-1], lambda_full is not None)
+        _validate_tiles(tiles, q.shape[-1], differential)
     if not _on_sm90(q):
         raise ValueError(f"{names[0]} must be a CUDA tensor on an sm90 GPU (H100/H200) with a Triton that has "
                          f"Gluon, got a tensor on {q.device}")
@@ -405,10 +421,14 @@ def launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, caus
     """Build the descriptors and launch the kernel (contiguous K/V when ``block_table`` is
     ``None``, else paged caches; differential when ``lambda_full`` is given); arguments as
     :func:`varlen_prefill` / :func:`paged_prefill` (``kv_lens``: ``cu_seqlens_k`` or
-    ``seq_lens``). Unchecked: the public launchers run :func:`_check_launch` first, and the
-    ops (``attention.varlen_attention`` / ``paged_attention``) their own checks, then
-    :func:`covers` / :func:`covers_paged` and :func:`launch_problem`, so a call is checked
-    once."""
+    ``seq_lens``). Unchecked: the public launchers run :func:`_check_launch` first; the
+    public ops (``compiled_attn.ops.varlen_attention`` / ``paged_attention``) check a call
+    before dispatch, and their CUDA kernels (``attention.varlen_attention`` /
+    ``paged_attention``) route it here only when :func:`covers` / :func:`covers_paged` and
+    :func:`launch_problem` pass, so a call is checked once. Raw ``torch.ops.compiled_attn``
+    calls skip the public checks (README), but not those two, which keep the kernel's own
+    reads and writes in bounds (dtypes, head sizes, whole GQA groups, dense rows, aligned
+    addresses); their metadata values are the caller's."""
     differential, paged = lambda_full is not None, block_table is not None
     num_seqs = cu_seqlens_q.shape[0] - 1
     tiles = tiles or default_tiles(q, num_seqs, differential, paged)
