@@ -331,6 +331,13 @@ def test_covers(monkeypatch):
         assert not gluon_prefill.covers(q6, kv4, kv4, None, None, -1, 0.0, None, None)  # no whole GQA groups
         broadcast = torch.empty_strided((8, 2, 128), (0, 128, 1), dtype=torch.bfloat16, device="cuda")
         assert not gluon_prefill.covers(q, broadcast, kv, None, None, -1, 0.0, None, None)  # rows overlap
+        # one row: any 16-byte multiple apart (a contiguous [1, H, D] made by a transpose)
+        one_row = torch.empty_strided((1, 4, 128), (128, 128, 1), dtype=torch.bfloat16, device="cuda")
+        assert gluon_prefill.covers(one_row, kv, kv, None, None, -1, 0.0, None, None)
+        assert not gluon_prefill.covers(q, kv, torch.empty(4, 2, 128, dtype=torch.bfloat16, device="cuda"), None,
+                                        None, -1, 0.0, None, None)  # v not shaped as k
+        no_heads = torch.empty(8, 0, 128, dtype=torch.bfloat16, device="cuda")
+        assert not gluon_prefill.covers(q, no_heads, no_heads, None, None, -1, 0.0, None, None)
         half_blocks = torch.empty_strided((2, 16, 2, 128), (32 * 256, 256, 128, 1), dtype=torch.bfloat16,
                                           device="cuda")  # the first 16 rows of blocks of 32
         assert not gluon_prefill.covers_paged(q, half_blocks, half_blocks, None, None, -1, 0.0, None, None)
@@ -606,7 +613,8 @@ def test_launch_problems_are_named(monkeypatch):
             ((q, torch.zeros(1, 2, 128, **bf16).expand(8, 2, 128), kv, cu, cu), {}, ValueError,
              "k must have dense heads and dims"),
             ((torch.zeros(8 * 512 + 1, **bf16)[1:].view(8, 4, 128), kv, kv, cu, cu), {}, ValueError,
-             r"q must have dense heads and dims and 16-byte-aligned rows and address"),
+             r"q must have dense heads and dims, rows at least H \* D elements apart \(no broadcast or overlap\) "
+             r"and 16-byte aligned, and a 16-byte-aligned address"),
             ((q, kv, kv, cu, cu), dict(scale=torch.tensor(0.1)), TypeError, "scale must be a float or None"),
             ((q, kv, kv, cu, cu), {}, ValueError, "q must be a CUDA tensor on an sm90 GPU"),
             ((q[..., :64].contiguous(), kv, kv, cu, cu), {}, ValueError, r"head_size of k \(128\) must equal q's"),

@@ -138,11 +138,13 @@ def gluon_available() -> bool:
 def _dense_rows(tensor: Tensor) -> bool:
     """Whether ``tensor``'s last two dims ``[H, D]`` are dense and its rows (every dim
     before them) one 16-byte multiple apart: what a TMA descriptor over its ``[rows, H * D]``
-    view reads (from a 16-byte-aligned start: :func:`launch_problem`), and no closer than a
-    row's ``H * D`` elements (a broadcast or overlapping view is neither a TMA descriptor's
-    nor a store's). Strides only (fake tensors too)."""
+    view reads (from a 16-byte-aligned start: :func:`launch_problem`), and, with more than
+    one row, no closer than a row's ``H * D`` elements (a broadcast or overlapping view is
+    neither a TMA descriptor's nor a store's). Strides only (fake tensors too)."""
     size = tensor.shape[-1]
-    if tensor.stride(-1) != 1 or tensor.stride(-2) != size or tensor.stride(-3) < tensor.shape[-2] * size:
+    if tensor.stride(-1) != 1 or tensor.stride(-2) != size:
+        return False
+    if tensor.shape[-3] > 1 and tensor.stride(-3) < tensor.shape[-2] * size:
         return False
     for dim in range(tensor.dim() - 4, -1, -1):  # a cache's blocks: rows of blocks too
         if tensor.stride(dim) != tensor.shape[dim + 1] * tensor.stride(dim + 1):
@@ -169,8 +171,9 @@ def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differen
                 f"{v.shape[-1]}")
     for name, tensor in ((nq, q), (nk, k), (nv, v), ("out", out)):
         if tensor is not None and not (_dense_rows(tensor) and tensor.data_ptr() % 16 == 0):
-            return (f"{name} must have dense heads and dims and 16-byte-aligned rows and address (a TMA "
-                    f"descriptor reads it), got strides {tensor.stride()} at address {tensor.data_ptr()}")
+            return (f"{name} must have dense heads and dims, rows at least H * D elements apart (no broadcast "
+                    f"or overlap) and 16-byte aligned, and a 16-byte-aligned address (a TMA descriptor reads it), "
+                    f"got strides {tensor.stride()} at address {tensor.data_ptr()}")
     return None
 
 
@@ -179,7 +182,7 @@ def _takes_options(q: Tensor, k: Tensor, lambda_full, alibi_slopes, scale, windo
     differential = lambda_full is not None
     return (alibi_slopes is None and scale_softcap is None and softcap <= 0 and window_left < 0
             and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in HEAD_SIZES and q.shape[-2] % k.shape[-2] == 0
+            and q.shape[-1] in HEAD_SIZES and k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0
             and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
             and _on_sm90(q))
 
@@ -189,11 +192,12 @@ def covers(q: Tensor, k: Tensor, v: Tensor, lambda_full: Tensor | None, scale: f
     """Whether :func:`varlen_prefill` serves this ``varlen_attention`` call: plain, or
     differential (``lambda_full``; even head counts: interleaved pairs), no softcap, no left
     window, no ALiBi, a positive scale; fp16/bf16 q, k and v of one dtype, head size 64 or
-    128; q, k and v TMA-readable by their strides (:func:`_dense_rows`; their addresses:
+    128, whole GQA groups (query heads a multiple of key heads), ``v`` shaped as ``k``; q, k
+    and v TMA-readable by their strides (:func:`_dense_rows`; their addresses:
     :func:`launch_problem`, at launch); an sm90 GPU with Gluon. Shapes, strides and dtypes
     only (the ``opaque`` predicate of the traced op)."""
     return (_takes_options(q, k, lambda_full, alibi_slopes, scale, window_left, softcap, scale_softcap)
-            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1] == v.shape[-1]
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1] and v.shape == k.shape
             and all(_dense_rows(t) for t in (q, k, v)))
 
 
@@ -426,9 +430,11 @@ def launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scale, caus
     before dispatch, and their CUDA kernels (``attention.varlen_attention`` /
     ``paged_attention``) route it here only when :func:`covers` / :func:`covers_paged` and
     :func:`launch_problem` pass, so a call is checked once. Raw ``torch.ops.compiled_attn``
-    calls skip the public checks (README), but not those two, which keep the kernel's own
-    reads and writes in bounds (dtypes, head sizes, whole GQA groups, dense rows, aligned
-    addresses); their metadata values are the caller's."""
+    calls (our layers', on metadata that ``metadata.build_metadata`` checked) skip the public
+    checks (README): those two predicates still hold (dtypes, head sizes, whole GQA groups,
+    ``v`` shaped as ``k``, dense rows, aligned addresses), the rest of the shapes
+    (``cu_seqlens_k`` as long as ``cu_seqlens_q``, ``lambda_full``'s size) and the metadata
+    values are the caller's."""
     differential, paged = lambda_full is not None, block_table is not None
     num_seqs = cu_seqlens_q.shape[0] - 1
     tiles = tiles or default_tiles(q, num_seqs, differential, paged)
