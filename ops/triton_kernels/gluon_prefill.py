@@ -152,6 +152,11 @@ def _dense_rows(tensor: Tensor) -> bool:
     return (tensor.stride(-3) * tensor.element_size()) % 16 == 0
 
 
+def _whole_pairs(q: Tensor, k: Tensor) -> bool:
+    """Even query and key head counts: the differential kernel's interleaved pairs."""
+    return q.shape[-2] % 2 == 0 and k.shape[-2] % 2 == 0
+
+
 def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differential: bool = False,
                    names: tuple[str, str, str] = ("q", "k", "v")) -> str | None:
     """What keeps the kernel from reading these tensors, or ``None``: fp16/bf16 of one dtype,
@@ -161,7 +166,7 @@ def launch_problem(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, differen
     :func:`covers` checks the rest on shapes alone. ``names``: how the message calls ``q``,
     ``k`` and ``v`` (:func:`paged_prefill`'s ``query``, ``key_cache``, ``value_cache``)."""
     nq, nk, nv = names
-    if differential and (q.shape[-2] % 2 or k.shape[-2] % 2):
+    if differential and not _whole_pairs(q, k):
         return (f"differential heads come in pairs: {nq} and {nk} need even head counts, got {q.shape[-2]}, "
                 f"{k.shape[-2]}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -183,7 +188,7 @@ def _takes_options(q: Tensor, k: Tensor, lambda_full, alibi_slopes, scale, windo
     return (alibi_slopes is None and scale_softcap is None and softcap <= 0 and window_left < 0
             and default_scale(scale, q.shape[-1]) > 0 and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] in HEAD_SIZES and k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0
-            and not (differential and (q.shape[-2] % 2 or k.shape[-2] % 2))
+            and (not differential or _whole_pairs(q, k))
             and _on_sm90(q))
 
 
