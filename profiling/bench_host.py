@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import compiled_attn.ops as ops
+from compiled_attn.ops import triton_kernels
 from compiled_attn.results import ResultRow, write_results
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -228,13 +229,15 @@ def model_step_rows(device, dtype, batches=(1, 64), context: int = 512) -> list[
 
 
 def gluon_prefill_call(device, dtype):
-    """A raw ``varlen_attention`` call the Gluon prefill kernel takes (16 causal sequences of
-    128-1024 tokens, as ``bench_kernels.short_varlen_batch``; inside
+    """A raw ``varlen_attention`` call the Gluon prefill kernel takes (the 16 causal sequences
+    of 128-1024 tokens of ``bench_kernels.short_varlen_batch``; inside
     ``flash_backend.disabled()``), and flash-attn 4's ``flash_attn_varlen_func`` on the same
     q/k/v (``None`` without it)."""
+    from bench_kernels import short_varlen_batch
+
     from compiled_attn.ops import flash_backend
 
-    lens = torch.randint(128, 1025, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    lens = short_varlen_batch()
     g = torch.Generator().manual_seed(6)
     q = torch.randn(sum(lens), HQ, D, generator=g).to(device, dtype)
     k, v = (torch.randn(sum(lens), HKV, D, generator=g).to(device, dtype) for _ in range(2))
@@ -250,14 +253,8 @@ def gluon_prefill_call(device, dtype):
     return ours, theirs
 
 
-def gluon_prefill_rows(device, dtype) -> list[ResultRow]:
-    """Host time of a call on the Gluon prefill route against flash-attn 4's (CUDA with Gluon
-    and flash-attn 4 only)."""
-    from compiled_attn.ops.triton_kernels import attention
-
-    ours, theirs = gluon_prefill_call(device, dtype)
-    if theirs is None or not attention.GLUON_PREFILL:
-        return []
+def gluon_prefill_rows(ours, theirs, device) -> list[ResultRow]:
+    """Host time of ``ours`` and ``theirs``, the calls of :func:`gluon_prefill_call`."""
     t = timed({"ours": ours, "fa4": theirs}, device)
     return [ResultRow("varlen_attention raw, prefill 16 seqs 128-1024 (Gluon route)", "host us/call", t["ours"][0],
                       "flash-attn 4 flash_attn_varlen_func", t["fa4"][0], "<= 1.0"),
@@ -300,10 +297,12 @@ def main() -> None:
     if args.ops:
         rows += attention_rows(device, dtype) + linear_and_cache_rows(device, dtype) + public_rows(device, dtype)
         print(profile_raw_call(device, dtype))
-        if device.type == "cuda" and (gluon_rows := gluon_prefill_rows(device, dtype)):
-            rows += gluon_rows
-            print("Gluon prefill route:\n" + profile(gluon_prefill_call(device, dtype)[0]))
-            sync(device)
+        if device.type == "cuda" and triton_kernels.attention.GLUON_PREFILL:
+            ours, theirs = gluon_prefill_call(device, dtype)
+            if theirs is not None:  # flash-attn 4 installed
+                rows += gluon_prefill_rows(ours, theirs, device)
+                print("Gluon prefill route:\n" + profile(ours))
+                sync(device)
     if args.model:
         rows += model_step_rows(device, dtype)
     print(write_results(rows, args.results_dir, "host", f"Host time per op call ({device.type}, {dtype})"))

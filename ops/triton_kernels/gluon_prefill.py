@@ -377,12 +377,12 @@ def _check_launch(q, k, v, cu_seqlens_q, kv_lens, block_table, lambda_full, scal
                   tiles) -> None:
     """The public launchers' checks (the errors of :func:`varlen_prefill`): what the ops
     check (option types, ``validation.check_varlen_args`` / ``check_paged_args``, the
-    scale), the dtypes and cache block sizes the kernel reads, ``out`` (a tensor on
-    ``q``'s device, its shape, dtype and last dim: ``attention.output_buffer``),
-    :func:`launch_problem`, when
-    given ``tiles`` (:func:`_validate_tiles`; the default tiles are valid by construction),
-    the device (:func:`_on_sm90`), then the metadata values as the ops check them (a copy to
-    the host, skipped for metadata checked before and unchanged since)."""
+    scale), the dtypes and cache block sizes the kernel reads, ``out`` (a tensor on ``q``'s
+    device, its shape, dtype and last dim: ``attention.output_buffer``),
+    :func:`launch_problem`, when given ``tiles`` (:func:`_validate_tiles`; the default tiles
+    are valid by construction), the device (:func:`_on_sm90`), then the metadata values as
+    the ops check them (a copy to the host, skipped for metadata checked before and
+    unchanged since)."""
     paged, differential = block_table is not None, lambda_full is not None
     names = ("query", "key_cache", "value_cache") if paged else ("q", "k", "v")
     check_call_options(scale, (-1, -1), 0.0, causal)
